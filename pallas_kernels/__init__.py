@@ -2,3 +2,6 @@
 
 `impl="auto"` runs the Pallas kernel on a GPU and the XLA reference elsewhere (see `_dispatch.resolve_impl`).
 """
+from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update  # noqa: E402,F401
+from pallas_kernels.mamba_ssd import ssd_chunk_scan  # noqa: E402,F401
+from pallas_kernels.mamba_state_update import ssd_state_update  # noqa: E402,F401

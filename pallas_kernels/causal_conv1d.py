@@ -1,0 +1,134 @@
+"""Depthwise causal conv1d of Mamba2 over packed variable-length sequences, and its decode step through slots.
+
+Prefill, per sequence s with initial conv state init[s] ([C, K-1], oldest input first; zeros when None):
+
+    window_t = (init[s] ++ x[seq s])[t : t + K]        y_t = act(sum_k weight[:, k] * window_t[k] + bias)
+
+and final_states[s] = the last K-1 entries of init[s] ++ x[seq s], exactly what rolling a conv state through the
+sequence token by token leaves behind (so a sequence shorter than K-1 keeps part of its initial state). Tokens at
+positions >= cu_seqlens[-1] belong to no sequence: their y is 0.
+
+Decode: window = conv_state[slot] ++ x; y = act(window · weight + bias); conv_state[slot] <- window[1:]. Slot 0 is
+the null slot of padded requests (written with garbage, never another slot); slots not in slot_ids are untouched.
+
+Arithmetic in float32; y in x's dtype; conv states keep their own dtype (prefill final states in x's dtype).
+`activation` is "silu" (also accepted: "swish") or None.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._dispatch import resolve_impl
+
+_ACTS = (None, "silu", "swish")
+
+
+def _act(y, activation):
+    if activation is None:
+        return y
+    return y * jax.nn.sigmoid(y)
+
+
+def _check_activation(activation):
+    if activation not in _ACTS:
+        raise ValueError(f"activation must be one of {_ACTS}, got {activation!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("activation",))
+def causal_conv1d_xla(x, weight, bias, *, cu_seqlens, initial_states=None, activation="silu"):
+    T, Cdim = x.shape
+    K = weight.shape[1]
+    S = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    t = jnp.arange(T, dtype=jnp.int32)
+    tseq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32), S - 1)
+    off = t - cu[tseq]
+    tvalid = t < cu[S]
+    if initial_states is None:
+        init = jnp.zeros((S, Cdim, K - 1), jnp.float32)
+    else:
+        init = initial_states.astype(jnp.float32)
+    xf = x.astype(jnp.float32)
+    wf = weight.astype(jnp.float32)
+
+    def source(seq, j, tok):
+        """Input at position j of sequence `seq` (j < 0 reads the initial state); tok = its packed index."""
+        from_x = xf[jnp.clip(tok, 0, T - 1)]
+        from_init = init[seq, :, jnp.clip(K - 1 + j, 0, K - 2)] if K > 1 else jnp.zeros_like(from_x)
+        return jnp.where((j >= 0)[..., None], from_x, from_init)
+
+    y = jnp.zeros((T, Cdim), jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[None, :]
+    for k in range(K):
+        shift = K - 1 - k
+        y = y + wf[:, k][None, :] * source(tseq, off - shift, t - shift)
+    y = jnp.where(tvalid[:, None], _act(y, activation), 0.0)
+
+    lens = cu[1:] - cu[:-1]
+    finals = []
+    for i in range(K - 1):
+        j = lens - (K - 1) + i
+        finals.append(source(jnp.arange(S), j, cu[:-1] + j))
+    final_dtype = x.dtype if initial_states is None else initial_states.dtype
+    final_states = jnp.stack(finals, axis=-1) if K > 1 else jnp.zeros((S, Cdim, 0), jnp.float32)
+    return y.astype(x.dtype), final_states.astype(final_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("activation",))
+def causal_conv1d_update_xla(x, conv_state, weight, bias, *, slot_ids, activation="silu"):
+    slot_ids = slot_ids.astype(jnp.int32)
+    window = jnp.concatenate([conv_state[slot_ids].astype(jnp.float32), x.astype(jnp.float32)[:, :, None]], axis=-1)
+    y = jnp.sum(window * weight.astype(jnp.float32)[None], axis=-1)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[None, :]
+    y = _act(y, activation)
+    new_state = conv_state.at[slot_ids].set(window[:, :, 1:].astype(conv_state.dtype))
+    return y.astype(x.dtype), new_state
+
+
+def _check(x, weight, bias):
+    Cdim = x.shape[-1]
+    if weight.ndim != 2 or weight.shape[0] != Cdim:
+        raise ValueError(f"weight must be [C={Cdim}, K], got {weight.shape}")
+    if bias is not None and bias.shape != (Cdim,):
+        raise ValueError(f"bias must be [{Cdim}], got {bias.shape}")
+
+
+def causal_conv1d(x, weight, bias, *, cu_seqlens, initial_states=None, activation="silu", impl="auto",
+                  interpret=False):
+    """Packed depthwise causal conv: x[T,C], weight[C,K], bias[C] -> (y[T,C], final_states[S,C,K-1])."""
+    _check(x, weight, bias)
+    _check_activation(activation)
+    S = cu_seqlens.shape[0] - 1
+    K = weight.shape[1]
+    if initial_states is not None and initial_states.shape != (S, x.shape[1], K - 1):
+        raise ValueError(f"initial_states must be {(S, x.shape[1], K - 1)}, got {initial_states.shape}")
+    which = resolve_impl(impl, interpret)
+    if which == "xla":
+        return causal_conv1d_xla(x, weight, bias, cu_seqlens=cu_seqlens, initial_states=initial_states,
+                                 activation=activation)
+    from pallas_kernels.causal_conv1d_pallas import causal_conv1d_pallas
+
+    return causal_conv1d_pallas(x, weight, bias, cu_seqlens=cu_seqlens, initial_states=initial_states,
+                                activation=activation, interpret=interpret)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias, *, slot_ids, activation="silu", impl="auto",
+                         interpret=False):
+    """Decode step: x[B,C], conv_state[slots,C,K-1] -> (y[B,C], conv_state), through slot_ids[B]."""
+    _check(x, weight, bias)
+    _check_activation(activation)
+    if conv_state.shape[1:] != (x.shape[1], weight.shape[1] - 1):
+        raise ValueError(f"conv_state must be [slots, {x.shape[1]}, {weight.shape[1] - 1}], got {conv_state.shape}")
+    which = resolve_impl(impl, interpret)
+    if which == "xla":
+        return causal_conv1d_update_xla(x, conv_state, weight, bias, slot_ids=slot_ids, activation=activation)
+    from pallas_kernels.causal_conv1d_pallas import causal_conv1d_update_pallas
+
+    return causal_conv1d_update_pallas(x, conv_state, weight, bias, slot_ids=slot_ids, activation=activation,
+                                       interpret=interpret)

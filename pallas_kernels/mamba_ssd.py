@@ -1,0 +1,212 @@
+"""Mamba2 SSD chunk scan over packed variable-length sequences (prefill), as a Pallas kernel and its XLA reference.
+
+Semantics are those of Hugging Face `transformers`' NemotronH / Mamba2 `torch_forward` chunk path, per sequence:
+
+    dt_t  = softplus(dt_t + dt_bias)            (when dt_softplus; then clamped to dt_limit when one is given)
+    h_t   = exp(dt_t * A) * h_{t-1} + dt_t * x_t ⊗ B_t        h: [H, P, N], starting from the initial state (or 0)
+    y_t   = C_t · h_t + D * x_t
+
+with head h reading group h // (H // G) of B and C. `A` is the already negative `-exp(A_log)`.
+
+Chunking of packed sequences: chunk boundaries are aligned to sequence starts, so a chunk never holds tokens of two
+sequences (vLLM does the same). Sequence s of length n_s owns ceil(n_s / chunk_size) chunks, the last one possibly
+short; the chunk count is therefore at most T // chunk_size + S, a static bound, and `_chunk_table` builds the
+(sequence, start token, length) table with traced `cu_seqlens`. Aligning chunks instead of masking by sequence id
+keeps every chunk's arithmetic that of a single sequence and lets the kernel carry one state per sequence.
+
+Tokens at positions >= cu_seqlens[-1] (bucket padding) belong to no sequence: their y is 0 and they touch no state.
+Empty sequences are allowed: their final state is their initial state.
+
+Precision: every product is accumulated in float32; y comes back in x's dtype, final states in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._dispatch import resolve_impl
+
+_HI = lax.Precision.HIGHEST
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed-sequence bookkeeping shared by the reference and the kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def num_chunks_bound(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
+    """Static upper bound on the chunk count: sum_s ceil(n_s / L) <= (T + S (L - 1)) // L <= T // L + S."""
+    return (num_tokens + num_seqs * (chunk_size - 1)) // chunk_size
+
+
+def _chunk_table(cu_seqlens, num_tokens: int, chunk_size: int):
+    """Chunks aligned to sequence starts.
+
+    Returns a dict of int32 / bool arrays of static length NC = num_chunks_bound(T, S, L):
+      seq[c], start[c], length[c] (0 for unused tail chunks), first[c] (chunk opens its sequence), last[c]
+      (chunk closes its sequence), and per sequence chunk_begin[s] (index of its first chunk) and nchunks[s].
+    """
+    cu = cu_seqlens.astype(jnp.int32)
+    num_seqs = cu.shape[0] - 1
+    L = chunk_size
+    nc = num_chunks_bound(num_tokens, num_seqs, L)
+    lens = cu[1:] - cu[:-1]
+    nchunks = (lens + (L - 1)) // L
+    chunk_cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nchunks).astype(jnp.int32)])
+    c = jnp.arange(nc, dtype=jnp.int32)
+    # First sequence whose chunk range ends after c; empty sequences own no chunk and are skipped.
+    seq = jnp.searchsorted(chunk_cum[1:], c, side="right").astype(jnp.int32)
+    valid = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    k = c - chunk_cum[seq]
+    start = cu[seq] + k * L
+    length = jnp.where(valid, jnp.clip(cu[seq + 1] - start, 0, L), 0)
+    return dict(
+        seq=seq,
+        start=jnp.where(valid, start, 0),
+        length=length,
+        first=valid & (k == 0),
+        last=valid & (k == nchunks[seq] - 1),
+        chunk_begin=chunk_cum[:-1],
+        nchunks=nchunks,
+    )
+
+
+def _prepare_dt(dt, dt_bias, dt_softplus, dt_limit):
+    dt = dt.astype(jnp.float32)
+    if dt_bias is not None:
+        dt = dt + dt_bias.astype(jnp.float32)
+    if dt_softplus:
+        dt = jax.nn.softplus(dt)
+    if dt_limit is not None:
+        dt = jnp.clip(dt, dt_limit[0], dt_limit[1])
+    return dt
+
+
+def _check_shapes(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states):
+    T, H, P = x.shape
+    G, N = B.shape[1:]
+    if dt.shape != (T, H) or A.shape != (H,) or B.shape != (T, G, N) or C.shape != (T, G, N):
+        raise ValueError(f"shape mismatch: x{x.shape} dt{dt.shape} A{A.shape} B{B.shape} C{C.shape}")
+    if H % G:
+        raise ValueError(f"heads {H} not a multiple of groups {G}")
+    if D is not None and D.shape != (H,):
+        raise ValueError(f"D must be [H]={H}, got {D.shape}")
+    if dt_bias is not None and dt_bias.shape != (H,):
+        raise ValueError(f"dt_bias must be [H]={H}, got {dt_bias.shape}")
+    S = cu_seqlens.shape[0] - 1
+    if initial_states is not None and initial_states.shape != (S, H, P, N):
+        raise ValueError(f"initial_states must be {(S, H, P, N)}, got {initial_states.shape}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# XLA reference
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "dt_softplus", "dt_limit"))
+def ssd_chunk_scan_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initial_states=None,
+                       dt_softplus=True, dt_limit=None):
+    """Exact float32 chunked SSD in jnp (the Mamba2 "minimal" decomposition, on sequence-aligned chunks)."""
+    T, H, P = x.shape
+    G, N = B.shape[1:]
+    R = H // G
+    S = cu_seqlens.shape[0] - 1
+    L = chunk_size
+    tab = _chunk_table(cu_seqlens, T, L)
+    nc = tab["seq"].shape[0]
+
+    dtf = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit)
+    pos = jnp.arange(L, dtype=jnp.int32)
+    idx = jnp.clip(tab["start"][:, None] + pos[None, :], 0, T - 1)  # [NC, L]
+    m = pos[None, :] < tab["length"][:, None]  # [NC, L]
+    xc = jnp.where(m[..., None, None], x[idx].astype(jnp.float32), 0.0)  # [NC, L, H, P]
+    dtc = jnp.where(m[..., None], dtf[idx], 0.0)  # [NC, L, H]; padded rows: dt = 0 -> no decay, no input
+    Bc = jnp.where(m[..., None, None], B[idx].astype(jnp.float32), 0.0).reshape(nc, L, G, 1, N)
+    Cc = jnp.where(m[..., None, None], C[idx].astype(jnp.float32), 0.0).reshape(nc, L, G, 1, N)
+
+    dA = dtc * A.astype(jnp.float32)[None, None, :]  # [NC, L, H]
+    cum = jnp.cumsum(dA, axis=1)  # [NC, L, H]
+    cum_g = cum.reshape(nc, L, G, R)
+    dtx = (xc * dtc[..., None]).reshape(nc, L, G, R, P)
+
+    # 1. intra-chunk (diagonal blocks): y_l = sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s
+    CB = jnp.einsum("clgn,csgn->cgls", Cc[:, :, :, 0], Bc[:, :, :, 0], precision=_HI)  # [NC, G, L, L]
+    causal = pos[:, None] >= pos[None, :]
+    diff = cum_g.transpose(0, 2, 3, 1)[..., :, None] - cum_g.transpose(0, 2, 3, 1)[..., None, :]  # [NC,G,R,L,L]
+    decay = jnp.exp(jnp.where(causal, diff, -jnp.inf))
+    y_diag = jnp.einsum("cgls,cgrls,csgrp->clgrp", CB, decay, dtx, precision=_HI)
+
+    # 2. state contributed by each chunk alone: sum_s exp(cum_last - cum_s) dt_s x_s ⊗ B_s
+    decay_states = jnp.exp(cum_g[:, -1:] - cum_g)  # [NC, L, G, R]
+    chunk_states = jnp.einsum("clgr,clgrp,clgn->cgrpn", decay_states, dtx, Bc[:, :, :, 0], precision=_HI)
+    chunk_states = chunk_states.reshape(nc, H, P, N)
+    chunk_decay = jnp.exp(cum[:, -1])  # [NC, H]
+
+    # 3. state passing across chunks, sequentially; a chunk that opens a sequence restarts from its initial state.
+    if initial_states is None:
+        init = jnp.zeros((S, H, P, N), jnp.float32)
+    else:
+        init = initial_states.astype(jnp.float32)
+
+    def step(carry, inp):
+        state, finals = carry
+        seq, first, last, cs, cd = inp
+        state = jnp.where(first, init[seq], state)
+        start_state = state
+        state = state * cd[:, None, None] + cs
+        finals = finals.at[seq].set(jnp.where(last, state, finals[seq]))
+        return (state, finals), start_state
+
+    (_, final_states), start_states = lax.scan(
+        step, (jnp.zeros((H, P, N), jnp.float32), init),
+        (tab["seq"], tab["first"], tab["last"], chunk_states, chunk_decay))
+
+    # 4. contribution of the state entering each chunk: y_l += exp(cum_l) C_l . h_start
+    y_off = jnp.einsum("clgn,cgrpn->clgrp", Cc[:, :, :, 0], start_states.reshape(nc, G, R, P, N), precision=_HI)
+    y_off = y_off * jnp.exp(cum_g)[..., None]
+    yc = (y_diag + y_off).reshape(nc, L, H, P)
+
+    # Back from chunk layout to tokens.
+    cu = cu_seqlens.astype(jnp.int32)
+    t = jnp.arange(T, dtype=jnp.int32)
+    tseq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32), S - 1)
+    off = t - cu[tseq]
+    tvalid = t < cu[S]
+    tchunk = jnp.clip(tab["chunk_begin"][tseq] + off // L, 0, nc - 1)
+    y = yc[tchunk, off % L]
+    if D is not None:
+        y = y + D.astype(jnp.float32)[None, :, None] * x.astype(jnp.float32)
+    y = jnp.where(tvalid[:, None, None], y, 0.0)
+    return y.astype(x.dtype), final_states
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def ssd_chunk_scan(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initial_states=None, dt_softplus=True,
+                   dt_limit=None, impl="auto", interpret=False):
+    """Packed variable-length Mamba2 SSD scan: x[T,H,P], dt[T,H], A[H], B/C[T,G,N] -> (y[T,H,P], states[S,H,P,N]).
+
+    `dt_limit=(lo, hi)` clamps dt after the softplus (mamba_ssm's `dt_limit`); None (the default) clamps nothing.
+    HF's NemotronH mixer passes `(config.time_step_min, inf)` here in its chunk path.
+    """
+    _check_shapes(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states)
+    if dt_limit is not None:
+        dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+    which = resolve_impl(impl, interpret)
+    if which == "xla":
+        return ssd_chunk_scan_xla(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                                  chunk_size=chunk_size, initial_states=initial_states, dt_softplus=dt_softplus,
+                                  dt_limit=dt_limit)
+    from pallas_kernels.mamba_ssd_pallas import ssd_chunk_scan_pallas
+
+    return ssd_chunk_scan_pallas(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                                 chunk_size=chunk_size, initial_states=initial_states, dt_softplus=dt_softplus,
+                                 dt_limit=dt_limit, interpret=interpret)

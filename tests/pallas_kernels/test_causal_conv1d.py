@@ -1,0 +1,122 @@
+"""causal_conv1d / causal_conv1d_update: XLA reference and Pallas kernel (interpret mode on CPU) against a float64
+rolling-state convolution run token by token."""
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+
+IMPLS = ["xla"]
+
+
+def silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def naive_conv(x, w, b, cu, init, activation):
+    """Roll a [C, K-1] state through each sequence one token at a time, in float64."""
+    x, w, b = [np.asarray(a, np.float64) for a in (x, w, b)]
+    T, Cd = x.shape
+    K = w.shape[1]
+    S = len(cu) - 1
+    y = np.zeros_like(x)
+    fin = np.zeros((S, Cd, K - 1))
+    for s in range(S):
+        st = np.zeros((Cd, K - 1)) if init is None else np.asarray(init[s], np.float64).copy()
+        for t in range(cu[s], cu[s + 1]):
+            win = np.concatenate([st, x[t][:, None]], axis=1)
+            v = (win * w).sum(1) + b
+            y[t] = silu(v) if activation else v
+            st = win[:, 1:]
+        fin[s] = st
+    return y, fin
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+# (T, C, K, cu): 1-token sequences (shorter than K-1, so part of the initial state stays), an empty sequence,
+# channel count not a power of two, trailing bucket padding.
+CASES = [
+    (23, 7, 4, [0, 1, 2, 10, 10, 20]),
+    (16, 40, 4, [0, 16]),
+    (9, 3, 2, [0, 3, 9]),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_conv_matches_naive(impl, activation, case):
+    T, Cd, K, cu = CASES[case]
+    rng = np.random.default_rng(case)
+    x = rng.standard_normal((T, Cd)).astype(np.float32)
+    w = rng.standard_normal((Cd, K)).astype(np.float32)
+    b = rng.standard_normal(Cd).astype(np.float32)
+    init = None if case == 1 else rng.standard_normal((len(cu) - 1, Cd, K - 1)).astype(np.float32)
+    y, fin = causal_conv1d(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), cu_seqlens=jnp.asarray(cu, jnp.int32),
+                           initial_states=None if init is None else jnp.asarray(init), activation=activation,
+                           impl=impl, interpret=(impl == "pallas"))
+    y_ref, fin_ref = naive_conv(x, w, b, cu, init, activation)
+    assert y.shape == (T, Cd) and fin.shape == (len(cu) - 1, Cd, K - 1)
+    assert rel(y, y_ref) < 1e-5 and rel(fin, fin_ref) < 1e-6
+    assert np.all(np.asarray(y)[cu[-1]:] == 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_conv_bf16(impl):
+    T, Cd, K, cu = CASES[0]
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((T, Cd)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((Cd, K)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(Cd), jnp.bfloat16)
+    init = jnp.asarray(rng.standard_normal((len(cu) - 1, Cd, K - 1)), jnp.bfloat16)
+    y, fin = causal_conv1d(x, w, b, cu_seqlens=jnp.asarray(cu, jnp.int32), initial_states=init, impl=impl,
+                           interpret=(impl == "pallas"))
+    f = lambda a: np.asarray(a.astype(jnp.float32))
+    y_ref, fin_ref = naive_conv(f(x), f(w), f(b), cu, f(init), "silu")
+    # float32 sums of bf16 values, then one bf16 rounding of y (2^-8 relative); final states are copies: exact.
+    assert y.dtype == jnp.bfloat16 and rel(f(y), y_ref) < 1e-2
+    assert fin.dtype == jnp.bfloat16 and np.array_equal(f(fin), fin_ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_update_matches_naive_and_leaves_other_slots(impl, activation):
+    slots, Cd, K = 7, 12, 4
+    ids = [5, 0, 2, 0, 6]
+    rng = np.random.default_rng(8)
+    state = rng.standard_normal((slots, Cd, K - 1)).astype(np.float32)
+    x = rng.standard_normal((len(ids), Cd)).astype(np.float32)
+    w = rng.standard_normal((Cd, K)).astype(np.float32)
+    b = rng.standard_normal(Cd).astype(np.float32)
+    y, new = causal_conv1d_update(jnp.asarray(x), jnp.asarray(state), jnp.asarray(w), jnp.asarray(b),
+                                  slot_ids=jnp.asarray(ids, jnp.int32), activation=activation, impl=impl,
+                                  interpret=(impl == "pallas"))
+    new = np.asarray(new)
+    for r, s in enumerate(ids):
+        if s == 0:
+            continue
+        y_ref, fin_ref = naive_conv(x[r:r + 1], w, b, [0, 1], state[s:s + 1], activation)
+        assert rel(np.asarray(y)[r], y_ref[0]) < 1e-5
+        assert np.array_equal(new[s], fin_ref[0].astype(np.float32))
+    idle = [s for s in range(1, slots) if s not in ids]
+    assert np.array_equal(new[idle], state[idle])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_update_padding_rows_do_not_change_real_results(impl):
+    slots, Cd, K = 4, 8, 4
+    rng = np.random.default_rng(2)
+    state = jnp.asarray(rng.standard_normal((slots, Cd, K - 1)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, Cd)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((Cd, K)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(Cd), jnp.float32)
+    kw = dict(impl=impl, interpret=(impl == "pallas"))
+    y1, s1 = causal_conv1d_update(x[1:2], state, w, b, slot_ids=jnp.asarray([2], jnp.int32), **kw)
+    y3, s3 = causal_conv1d_update(x, state, w, b, slot_ids=jnp.asarray([0, 2, 0], jnp.int32), **kw)
+    assert np.array_equal(np.asarray(y1[0]), np.asarray(y3[1]))
+    assert np.array_equal(np.asarray(s1)[1:], np.asarray(s3)[1:])
