@@ -1,0 +1,73 @@
+"""Rules that say which checkpoint tensors make each of our params, and how.
+
+Our modules mirror transformers' names, so one small rule set covers both families:
+`*.kernel` is the transpose of the torch Linear's `*.weight`; `*.embedding` is the embedding's `*.weight`; the
+Mamba conv weight drops torch's singleton axis; stacked experts come either stacked (transformers >= 5 layout,
+[E, out, in]) or one tensor per expert (`experts.{j}.up_proj.weight`, the published layout). Everything else
+keeps its name and shape.
+"""
+
+import dataclasses
+import re
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """Checkpoint tensors (with the shapes they must have) and how to turn them into one param."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    assemble: Callable[[list[np.ndarray]], np.ndarray]
+
+
+Rule = Callable[[str, tuple[int, ...], object], TensorSource | None]
+
+_EXPERT_PARAM = re.compile(r"^(?P<base>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+
+
+def linear_kernel(path, shape, reader):
+    if path.endswith(".kernel") and len(shape) == 2:
+        return TensorSource((path[: -len("kernel")] + "weight",), ((shape[1], shape[0]),), lambda a: a[0].T)
+    return None
+
+
+def embedding(path, shape, reader):
+    if path.endswith(".embedding"):
+        return TensorSource((path[: -len("embedding")] + "weight",), (shape,), lambda a: a[0])
+    return None
+
+
+def depthwise_conv(path, shape, reader):
+    if path.endswith("conv1d.weight") and len(shape) == 2:
+        channels, kernel = shape
+        return TensorSource((path,), ((channels, 1, kernel),), lambda a: a[0].reshape(channels, kernel))
+    return None
+
+
+def stacked_experts(path, shape, reader):
+    match = _EXPERT_PARAM.match(path)
+    if not match:
+        return None
+    num_experts, fan_in, fan_out = shape
+    if path in reader:
+        return TensorSource((path,), ((num_experts, fan_out, fan_in),), lambda a: a[0].transpose(0, 2, 1))
+    names = tuple(f"{match['base']}.{j}.{match['proj']}.weight" for j in range(num_experts))
+    return TensorSource(names, ((fan_out, fan_in),) * num_experts, lambda arrays: np.stack([a.T for a in arrays]))
+
+
+def same_name(path, shape, reader):
+    return TensorSource((path,), (shape,), lambda a: a[0])
+
+
+DEFAULT_RULES: tuple[Rule, ...] = (linear_kernel, embedding, depthwise_conv, stacked_experts, same_name)
+
+
+def source_for(path: str, shape: tuple[int, ...], reader, rules=DEFAULT_RULES) -> TensorSource:
+    for rule in rules:
+        source = rule(path, shape, reader)
+        if source is not None:
+            return source
+    raise AssertionError("the rule list must end with a catch-all rule")

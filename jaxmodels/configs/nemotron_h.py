@@ -1,0 +1,176 @@
+"""Config of Nemotron-H hybrids (`model_type: nemotron_h`)."""
+
+import dataclasses
+
+from jaxmodels.configs.base import ConfigError, pop_alias, require_divisible, require_positive
+
+# Legacy pattern letters -> canonical `layers_block_type` names (transformers' own mapping).
+PATTERN_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# Canonical HF names -> our short layer kinds.
+BLOCK_TYPE_NAMES = {
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+    "full_attention": "attention",
+    "attention": "attention",
+    "mlp": "mlp",
+    "moe": "moe",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class NemotronHConfig:
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]  # each one of "mamba", "attention", "mlp", "moe"
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    use_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mlp_bias: bool = False
+    time_step_min: float = 0.001
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    # MoE
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    n_shared_experts: int = 1
+    moe_latent_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    sliding_window: int | None = None
+    max_position_embeddings: int = 4096
+    mamba_ssm_cache_dtype: str = "float32"
+    eos_token_id: tuple[int, ...] = ()
+    num_nextn_predict_layers: int = 0
+
+    model_type = "nemotron_h"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.mamba_intermediate_size + 2 * self.n_groups * self.ssm_state_size
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> "NemotronHConfig":
+        layer_types = _layer_types(raw)
+        num_heads = raw.get("num_attention_heads", 32)
+        eos = raw.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        values = dict(
+            vocab_size=raw.get("vocab_size"),
+            hidden_size=raw.get("hidden_size"),
+            layer_types=layer_types,
+            num_attention_heads=num_heads,
+            num_key_value_heads=pop_alias(raw, "num_key_value_heads", default=num_heads),
+            head_dim=pop_alias(raw, "head_dim", "attention_head_dim", default=128),
+            intermediate_size=raw.get("intermediate_size", 21504),
+            mamba_num_heads=raw.get("mamba_num_heads", 128),
+            mamba_head_dim=raw.get("mamba_head_dim", 64),
+            ssm_state_size=raw.get("ssm_state_size", 128),
+            n_groups=pop_alias(raw, "n_groups", "mamba_n_groups", default=8),
+            conv_kernel=pop_alias(raw, "conv_kernel", "mamba_d_conv", default=4),
+            chunk_size=pop_alias(raw, "chunk_size", "mamba_chunk_size", default=128),
+            use_conv_bias=pop_alias(raw, "use_conv_bias", "mamba_conv_bias", default=True),
+            mamba_proj_bias=raw.get("mamba_proj_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
+            time_step_min=pop_alias(raw, "time_step_min", "mamba_dt_min", default=0.001),
+            layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            n_routed_experts=pop_alias(raw, "n_routed_experts", "num_local_experts", default=0),
+            num_experts_per_tok=raw.get("num_experts_per_tok", 0),
+            moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+            moe_shared_expert_intermediate_size=raw.get("moe_shared_expert_intermediate_size", 0),
+            n_shared_experts=raw.get("n_shared_experts", 1),
+            moe_latent_size=raw.get("moe_latent_size"),
+            n_group=raw.get("n_group", 1) or 1,
+            topk_group=raw.get("topk_group", 1) or 1,
+            norm_topk_prob=raw.get("norm_topk_prob", True),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            sliding_window=raw.get("sliding_window"),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            mamba_ssm_cache_dtype=raw.get("mamba_ssm_cache_dtype", "float32"),
+            eos_token_id=eos,
+            num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 0) or 0,
+        )
+        for name in ("vocab_size", "hidden_size"):
+            if values[name] is None:
+                raise ConfigError(name, "is required")
+        for name in ("mlp_hidden_act", "mamba_hidden_act"):
+            expected = "relu2" if name == "mlp_hidden_act" else "silu"
+            if raw.get(name, expected) != expected:
+                raise ConfigError(name, f"only {expected!r} is supported, got {raw[name]!r}")
+        return cls(**values)
+
+    def __post_init__(self):
+        require_positive(self, "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        require_divisible(self, "num_attention_heads", "num_key_value_heads")
+        if "mamba" in self.layer_types:
+            require_positive(self, "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
+                             "chunk_size")
+            require_divisible(self, "mamba_num_heads", "n_groups")
+        if "mlp" in self.layer_types:
+            require_positive(self, "intermediate_size")
+        if "moe" in self.layer_types:
+            require_positive(self, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                             "moe_shared_expert_intermediate_size", "n_group", "topk_group")
+            require_divisible(self, "n_routed_experts", "n_group")
+            if self.topk_group > self.n_group:
+                raise ConfigError("topk_group", f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+            experts_in_groups = self.n_routed_experts // self.n_group * self.topk_group
+            if self.num_experts_per_tok > experts_in_groups:
+                raise ConfigError(
+                    "num_experts_per_tok",
+                    f"{self.num_experts_per_tok} exceeds the {experts_in_groups} experts of the selected groups",
+                )
+            if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+                raise ConfigError("n_group", "grouped routing scores each group by its top-2 experts: "
+                                             "every group needs at least 2 experts")
+            if self.n_shared_experts != 1:
+                raise ConfigError("n_shared_experts", f"only 1 shared expert is supported, got {self.n_shared_experts}")
+        if self.mamba_ssm_cache_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("mamba_ssm_cache_dtype", f"unsupported dtype {self.mamba_ssm_cache_dtype!r}")
+
+
+def _layer_types(raw: dict) -> tuple[str, ...]:
+    listed = raw.get("layers_block_type") or raw.get("layer_types")
+    if listed is not None:
+        if not isinstance(listed, (list, tuple)):
+            raise ConfigError("layers_block_type", f"must be a list of strings, got {type(listed).__name__}")
+        unknown = sorted({t for t in listed if t not in BLOCK_TYPE_NAMES})
+        if unknown:
+            raise ConfigError("layers_block_type",
+                              f"unknown layer types {unknown}; expected names among {sorted(BLOCK_TYPE_NAMES)}")
+        types = tuple(BLOCK_TYPE_NAMES[t] for t in listed)
+    elif "hybrid_override_pattern" in raw:
+        pattern = raw["hybrid_override_pattern"]
+        bad = sorted({c for c in pattern if c not in PATTERN_LETTERS})
+        if bad:
+            raise ConfigError("hybrid_override_pattern",
+                              f"unknown layer letters {bad} in {pattern!r}; expected letters among "
+                              f"{sorted(PATTERN_LETTERS)} (M=mamba, *=attention, -=mlp, E=moe)")
+        types = tuple(PATTERN_LETTERS[c] for c in pattern)
+    else:
+        raise ConfigError("layers_block_type", "neither layers_block_type nor hybrid_override_pattern is given")
+    if not types:
+        raise ConfigError("layers_block_type", "the model has no layers")
+    # Like transformers, the pattern wins over a stale num_hidden_layers.
+    return types

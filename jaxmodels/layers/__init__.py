@@ -1,0 +1,1 @@
+"""Layers shared by both model families (Flax NNX)."""

@@ -1,0 +1,29 @@
+"""Dense projections. Kernels are stored [in, out] (`kernel`), the transpose of torch's `weight`."""
+
+import jax.numpy as jnp
+from flax import nnx
+
+
+def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, bias: bool = False, dtype=jnp.float32) -> nnx.Linear:
+    """An `nnx.Linear` whose parameters and arithmetic are in `dtype`.
+
+    Loaded models get their weights from the bridge (built under `nnx.eval_shape`, nothing is initialized); the
+    initializer only matters for models built from scratch.
+    """
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
+
+
+def relu2(x):
+    """Squared ReLU, the activation of Nemotron-H MLPs and experts."""
+    return jnp.square(jnp.maximum(x, 0))
+
+
+ACTIVATIONS = {"relu2": relu2, "silu": nnx.silu}

@@ -1,0 +1,79 @@
+"""Mamba2 mixer (Nemotron-H's `M` layers).
+
+in_proj splits into [z | x | B | C | dt]; x‖B‖C goes through a depthwise causal conv with SiLU; the SSD scan runs
+with dt = softplus(dt + dt_bias) clamped below at `time_step_min` (transformers' `time_step_limit` for this model),
+A = -exp(A_log) and the D skip; the output is gated-normed with z and projected back.
+
+The layer works on packed tokens (`cu_seqlens`), the layout of both the kernels and the serving engine; a batch of
+equal-length sequences is one such packing.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from jaxmodels.layers.linear import linear
+from jaxmodels.layers.norms import GatedGroupRMSNorm
+
+
+class DepthwiseConv1d(nnx.Module):
+    """Weights of the causal depthwise conv: weight [channels, kernel] (HF stores [channels, 1, kernel])."""
+
+    def __init__(self, channels: int, kernel: int, *, rngs: nnx.Rngs, bias: bool = True, dtype=jnp.float32):
+        self.weight = nnx.Param(nnx.initializers.normal(0.3)(rngs.params(), (channels, kernel), dtype))
+        self.bias = nnx.Param(jnp.zeros((channels,), dtype)) if bias else None
+
+
+class Mamba2Mixer(nnx.Module):
+    def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
+                 conv_kernel: int, chunk_size: int, time_step_min: float, eps: float, rngs: nnx.Rngs,
+                 dtype=jnp.float32, conv_bias: bool = True, proj_bias: bool = False):
+        self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
+        self.chunk_size, self.time_step_min = chunk_size, time_step_min
+        self.intermediate = num_heads * head_dim
+        self.conv_dim = self.intermediate + 2 * n_groups * state_size
+        self.in_proj = linear(hidden_size, self.intermediate + self.conv_dim + num_heads, rngs=rngs,
+                              bias=proj_bias, dtype=dtype)
+        self.conv1d = DepthwiseConv1d(self.conv_dim, conv_kernel, rngs=rngs, bias=conv_bias, dtype=dtype)
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, num_heads + 1, dtype=jnp.float32)).astype(dtype))
+        self.D = nnx.Param(jnp.ones((num_heads,), dtype))
+        self.dt_bias = nnx.Param(jnp.full((num_heads,), math.log(math.expm1(0.01)), dtype))
+        self.norm = GatedGroupRMSNorm(self.intermediate, self.intermediate // n_groups, eps, dtype=dtype)
+        self.out_proj = linear(self.intermediate, hidden_size, rngs=rngs, bias=proj_bias, dtype=dtype)
+
+    def forward_packed(self, hidden: jax.Array, cu_seqlens: jax.Array, conv_states=None, ssm_states=None):
+        """hidden[T,D] packed by `cu_seqlens`[S+1] -> (out[T,D], conv_states[S,C,K-1], ssm_states[S,H,P,N])."""
+        num_tokens = hidden.shape[0]
+        projected = self.in_proj(hidden)
+        gate, xbc, dt = jnp.split(projected, [self.intermediate, self.intermediate + self.conv_dim], axis=-1)
+        bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
+        xbc, conv_states = pallas_kernels.causal_conv1d(
+            xbc, self.conv1d.weight[...], bias, cu_seqlens=cu_seqlens, initial_states=conv_states,
+            activation="silu")
+        x, B, C = jnp.split(xbc, [self.intermediate, self.intermediate + self.n_groups * self.state_size], axis=-1)
+        y, ssm_states = pallas_kernels.ssd_chunk_scan(
+            x.reshape(num_tokens, self.num_heads, self.head_dim),
+            dt,
+            -jnp.exp(self.A_log[...].astype(jnp.float32)),
+            B.reshape(num_tokens, self.n_groups, self.state_size),
+            C.reshape(num_tokens, self.n_groups, self.state_size),
+            D=self.D[...],
+            dt_bias=self.dt_bias[...],
+            cu_seqlens=cu_seqlens,
+            chunk_size=self.chunk_size,
+            initial_states=ssm_states,
+            dt_softplus=True,
+            dt_limit=(self.time_step_min, math.inf),
+        )
+        y = self.norm(y.reshape(num_tokens, self.intermediate), gate)
+        return self.out_proj(y.astype(hidden.dtype)), conv_states, ssm_states
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        """Full sequences, no cache: hidden[B,T,D] -> [B,T,D]."""
+        batch, seq, dim = hidden.shape
+        cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * seq
+        out, _, _ = self.forward_packed(hidden.reshape(batch * seq, dim), cu_seqlens)
+        return out.reshape(batch, seq, dim)

@@ -1,0 +1,133 @@
+"""Mixture of experts with DeepSeek-style routing, shared by Nemotron-H (`E` layers) and the DSA models.
+
+Routing: sigmoid scores; `e_score_correction_bias` is added for *selection only*; experts are chosen inside the
+`topk_group` best of `n_group` groups (a group scores as the sum of its two best experts); the chosen experts'
+unbiased scores are optionally renormalized and then multiplied by `routed_scaling_factor`.
+
+Experts run as two grouped matmuls over the tokens sorted by expert (`pallas_kernels.grouped_matmul`).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from jaxmodels.layers.linear import ACTIVATIONS, linear
+from jaxmodels.layers.mlp import MLP
+
+
+def grouped_topk_routing(logits, correction_bias, *, top_k: int, n_group: int, topk_group: int,
+                         norm_topk_prob: bool, routed_scaling_factor: float,
+                         excluded_group_score: float = -jnp.inf):
+    """Pick `top_k` experts per token. logits[N,E] float32 -> (weights[N,k] float32, experts[N,k] int32).
+
+    `excluded_group_score` is what experts outside the chosen groups score during selection: transformers' Nemotron-H
+    uses -inf, its DeepSeek-V3 family 0.0 (they differ when biased scores can be negative).
+    """
+    num_tokens, num_experts = logits.shape
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + correction_bias
+    if n_group > 1:
+        grouped = choice.reshape(num_tokens, n_group, num_experts // n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        _, best_groups = jax.lax.top_k(group_scores, topk_group)
+        group_mask = jnp.zeros((num_tokens, n_group), bool).at[jnp.arange(num_tokens)[:, None], best_groups].set(True)
+        expert_mask = jnp.repeat(group_mask, num_experts // n_group, axis=1)
+        choice = jnp.where(expert_mask, choice, excluded_group_score)
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * routed_scaling_factor, experts.astype(jnp.int32)
+
+
+class TopkRouter(nnx.Module):
+    """Router weights stay float32 whatever the model dtype (transformers keeps them so too)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, *, rngs: nnx.Rngs):
+        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (num_experts, hidden_size), jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        return jnp.dot(x.astype(jnp.float32), self.weight[...].T)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int):
+    """Order of the (token, slot) pairs sorted by expert, and each expert's row count."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, group_sizes
+
+
+class RoutedExperts(nnx.Module):
+    """`num_experts` MLPs stored stacked: up_proj [E, in, inter] (gate_proj too when gated), down_proj [E, inter, in].
+
+    Non-gated: `down(act(up(x)))` (Nemotron-H, relu²). Gated: `down(act(gate(x)) * up(x))` (DeepSeek, SiLU).
+    """
+
+    def __init__(self, num_experts: int, in_dim: int, intermediate: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 activation: str = "relu2", gated: bool = False):
+        init = nnx.initializers.normal(0.02)
+        self.num_experts, self.activation, self.gated = num_experts, activation, gated
+        if gated:
+            self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, in_dim, intermediate), dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (num_experts, in_dim, intermediate), dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (num_experts, intermediate, in_dim), dtype))
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """x[N,D], routing weights/experts [N,k] -> sum over the k experts of weight * expert(x), [N,D]."""
+        num_tokens, top_k = experts.shape
+        order, group_sizes = sort_by_expert(experts, self.num_experts)
+        token_of_row = order // top_k
+        rows = x[token_of_row]
+        hidden = pallas_kernels.grouped_matmul(rows, self.up_proj[...], group_sizes)
+        act = ACTIVATIONS[self.activation]
+        if self.gated:
+            hidden = act(pallas_kernels.grouped_matmul(rows, self.gate_proj[...], group_sizes)) * hidden
+        else:
+            hidden = act(hidden)
+        out = pallas_kernels.grouped_matmul(hidden, self.down_proj[...], group_sizes)
+        # Weighting and the sum over experts happen in float32, as transformers accumulates them.
+        out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        summed = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of_row].add(out)
+        return summed.astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """Routed experts (optionally inside a latent projection) plus one always-on shared expert."""
+
+    def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, expert_intermediate: int,
+                 shared_intermediate: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                 routed_scaling_factor: float, rngs: nnx.Rngs, dtype=jnp.float32, activation: str = "relu2",
+                 gated: bool = False, latent_size: int | None = None, shared_expert: nnx.Module | None = None,
+                 excluded_group_score: float = -jnp.inf):
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.excluded_group_score = excluded_group_score
+        self.gate = TopkRouter(hidden_size, num_experts, rngs=rngs)
+        expert_dim = latent_size or hidden_size
+        self.experts = RoutedExperts(num_experts, expert_dim, expert_intermediate, rngs=rngs, dtype=dtype,
+                                     activation=activation, gated=gated)
+        self.latent_size = latent_size
+        if latent_size is not None:
+            self.fc1_latent_proj = linear(hidden_size, latent_size, rngs=rngs, dtype=dtype)
+            self.fc2_latent_proj = linear(latent_size, hidden_size, rngs=rngs, dtype=dtype)
+        self.shared_experts = shared_expert or MLP(hidden_size, shared_intermediate, rngs=rngs, dtype=dtype,
+                                                   activation=activation)
+
+    def route(self, x: jax.Array):
+        return grouped_topk_routing(
+            self.gate.logits(x), self.gate.e_score_correction_bias[...], top_k=self.top_k, n_group=self.n_group,
+            topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor, excluded_group_score=self.excluded_group_score)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, experts = self.route(tokens)
+        routed_in = self.fc1_latent_proj(tokens) if self.latent_size is not None else tokens
+        routed = self.experts(routed_in, weights, experts)
+        if self.latent_size is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed.reshape(shape) + self.shared_experts(x)

@@ -1,0 +1,47 @@
+"""RMS norms: the plain one and Mamba2's gated, grouped one."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a learned scale named `weight` (as in HF).
+
+    `scale_in_float32=True` multiplies the weight in float32 and casts the product (Nemotron-H); False casts the
+    normalized input first and multiplies in the weight's dtype (Llama/DeepSeek). Both are equal in float32.
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, scale_in_float32: bool = True):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+        self.scale_in_float32 = scale_in_float32
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        normed = rms_normalize(x, self.eps)
+        if self.scale_in_float32:
+            return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class GatedGroupRMSNorm(nnx.Module):
+    """Mamba2's output norm: `y * silu(z)` first, then RMS over each group of `group_size` channels, then weight."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, *, dtype=jnp.float32):
+        if dim % group_size:
+            raise ValueError(f"norm size {dim} is not a multiple of its group size {group_size}")
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.group_size = group_size
+        self.eps = eps
+
+    def __call__(self, y: jax.Array, gate: jax.Array) -> jax.Array:
+        gated = y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+        grouped = gated.reshape(*gated.shape[:-1], -1, self.group_size)
+        normed = rms_normalize(grouped, self.eps).reshape(gated.shape)
+        return self.weight[...] * normed.astype(y.dtype)

@@ -1,0 +1,1 @@
+"""Model families. `registry` maps HF architecture names to model classes."""
