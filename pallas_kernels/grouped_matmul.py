@@ -1,0 +1,121 @@
+"""Grouped matmul for MoE experts: `out[r] = x[r] @ w[g(r)]` with the rows of x sorted by expert.
+
+`grouped_matmul(x[M, K], w[E, K, N], group_sizes[E]) -> [M, N]`: rows `offsets[g] .. offsets[g] + group_sizes[g]`
+use expert g (offsets = exclusive cumsum of group_sizes); `sum(group_sizes) <= M` and rows past the sum come out as
+zeros. Empty groups are fine. Output dtype = x's; accumulation in float32.
+
+XLA reference: `lax.ragged_dot` (it zero-fills rows past the group total too).
+
+Pallas kernel (Triton lowering), megablox-style: the wrapper cuts the row range into segments (the E groups, then
+one tail segment for rows past the total) and lists work items (segment, row tile of BM rows) for every row tile a
+segment touches: at most `ceil(M / BM) + E` items, so the grid is static whatever the group sizes. Grid =
+(N / BN, items): the N tile is the slow axis so consecutive programs walk the items of one weight column block
+and reuse x tiles through L2. Each program loads its item (expert id, tile, row range) from the schedule, runs a
+K loop `acc += x_tile @ w[e, k-slice, n-slice]` and stores only the rows of its segment (a row tile shared by two
+experts is computed twice, once per expert, each store masked to its rows). Tail items store zeros; padding
+items do nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._dispatch import resolve_impl
+
+
+def grouped_matmul_reference(x, w, group_sizes):
+    return lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def make_schedule(group_sizes, M: int, block_m: int):
+    """Work items for the kernel: int32 arrays (expert or E for the tail or -1 for padding, tile, row_start, row_end).
+
+    Segment s covers rows [start_s, end_s); item i handles the rows of segment s that fall in its row tile.
+    """
+    E = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    total = jnp.sum(sizes)
+    seg_sizes = jnp.concatenate([sizes, (M - total)[None]])  # groups, then the zero tail
+    seg_end = jnp.cumsum(seg_sizes)
+    seg_start = seg_end - seg_sizes
+    first_tile = seg_start // block_m
+    last_tile = (seg_end - 1) // block_m
+    n_tiles = jnp.where(seg_sizes > 0, last_tile - first_tile + 1, 0)
+    num_items = pl.cdiv(M, block_m) + E  # each segment boundary adds at most one shared tile
+    item_seg = jnp.repeat(jnp.arange(E + 1, dtype=jnp.int32), n_tiles, total_repeat_length=num_items)
+    item_first = jnp.cumsum(n_tiles) - n_tiles  # first item index of each segment
+    i = jnp.arange(num_items, dtype=jnp.int32)
+    used = i < jnp.sum(n_tiles)
+    tile = first_tile[item_seg] + (i - item_first[item_seg])
+    row_start = jnp.maximum(seg_start[item_seg], tile * block_m)
+    row_end = jnp.minimum(seg_end[item_seg], (tile + 1) * block_m)
+    expert = jnp.where(used, item_seg, -1)
+    return (expert.astype(jnp.int32), jnp.where(used, tile, 0).astype(jnp.int32),
+            jnp.where(used, row_start, 0).astype(jnp.int32), jnp.where(used, row_end, 0).astype(jnp.int32))
+
+
+def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, M, K, E, block_m, block_n,
+                block_k):
+    n0 = pl.program_id(0) * block_n
+    item = pl.program_id(1)
+    e = expert_ref[item]
+    r0 = tile_ref[item] * block_m
+    rows = r0 + jnp.arange(block_m)
+    in_seg = (rows >= start_ref[item]) & (rows < end_ref[item])
+    cols = n0 + jnp.arange(block_n)
+
+    @pl.when((e >= 0) & (e < E))
+    def _matmul():
+        def body(kk, acc):
+            k0 = pl.multiple_of(kk * block_k, block_k)
+            # Rows past M are masked (M need not be a multiple of BM); rows of other segments are computed
+            # but never stored.
+            xt = plgpu.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=(rows < M)[:, None], other=0)
+            wt = w_ref[e, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+            return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+        plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype),
+                    mask=in_seg[:, None])
+
+    @pl.when(e == E)
+    def _tail():
+        plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)],
+                    jnp.zeros((block_m, block_n), o_ref.dtype), mask=in_seg[:, None])
+    del cols
+
+
+def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int = 128, block_n: int = 128, block_k: int = 64,
+                          num_warps: int = 4, num_stages: int = 4, interpret: bool = False):
+    M, K = x.shape
+    E, K2, N = w.shape
+    if K2 != K:
+        raise ValueError(f"x has K={K}, w has K={K2}")
+    block_n = min(block_n, N)
+    block_k = min(block_k, K)
+    if N % block_n or K % block_k:
+        raise ValueError(f"N={N} and K={K} must be multiples of block_n={block_n} and block_k={block_k}")
+    schedule = make_schedule(group_sizes, M, block_m)
+    num_items = schedule[0].shape[0]
+    kernel = functools.partial(_gmm_kernel, M=M, K=K, E=E, block_m=block_m, block_n=block_n, block_k=block_k)
+    return pl.pallas_call(
+        kernel,
+        grid=(N // block_n, num_items),
+        out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="grouped_matmul",
+    )(*schedule, x, w)
+
+
+def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", interpret: bool = False, **kernel_options):
+    """See the module docstring."""
+    if resolve_impl(impl, interpret) == "xla":
+        return grouped_matmul_reference(x, w, group_sizes)
+    return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret, **kernel_options)

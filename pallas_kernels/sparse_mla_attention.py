@@ -1,0 +1,126 @@
+"""Sparse absorbed-MLA attention (DeepSeek-V3.2 DSA): each query attends only to its top-k selected latent entries.
+
+`sparse_mla_attention(q[T, H, Dl+Dr], latent_cache, indices[T, topk], *, scale) -> [T, H, Dl]`
+
+Layouts:
+  * `latent_cache[num_pages, page_size, Dl+Dr]` (any leading shape works: it is viewed as flat rows
+    `[num_pages * page_size, Dl+Dr]`). Row = compressed KV latent (Dl = 512) followed by the roped key part
+    (Dr = 64). Key = the whole row, value = its first Dl entries (absorbed MLA).
+  * `indices[T, topk]` int32 **flat cache rows** (`page * page_size + offset`), −1 = no key. `indexer_topk`
+    returns logical positions; `logical_to_cache_rows(idx, page_table, seq_ids, page_size)` translates them
+    (a contiguous per-sequence cache `[S, L, Dl+Dr]` is the paged form with `page_table = arange(S)[:, None]`).
+  * `q` is the absorbed query (`q_nope · W_UK` concatenated with `q_pe`); `scale` is the softmax scale.
+A query whose indices are all −1 gets zeros. Softmax is online, in float32; the output has q's dtype.
+
+Pallas kernel (Triton lowering): grid (T, H / BH). A program holds BH heads of one query and walks its topk
+indices in chunks of BK: gathers BK latent rows (the row pointers come from the index chunk), scores
+`q_nope·kv[:, :Dl] + q_rope·kv[:, Dl:]` on the tensor cores, online-softmax update of a float32 [BH, Dl]
+accumulator, `P @ kv[:, :Dl]`. Both dots reuse the one gathered tile, so the bytes read are the selected rows once
+per head block (the head blocks of one query run next to each other and share them through L2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._dispatch import resolve_impl
+
+
+def logical_to_cache_rows(indices, page_table, seq_ids, page_size: int):
+    """Logical positions [T, k] (−1 = none) of the query's sequence -> flat cache rows [T, k] (−1 kept)."""
+    pages = page_table[seq_ids[:, None], jnp.maximum(indices, 0) // page_size]
+    rows = pages * page_size + jnp.maximum(indices, 0) % page_size
+    return jnp.where(indices >= 0, rows, -1).astype(jnp.int32)
+
+
+def sparse_mla_attention_reference(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512):
+    """Gather the selected rows, masked softmax in float32, weighted sum of the first Dl dims."""
+    D = q.shape[-1]
+    flat = latent_cache.reshape(-1, D)
+    valid = indices >= 0
+    kv = flat[jnp.maximum(indices, 0)].astype(jnp.float32)  # [T, k, D]
+    s = jnp.einsum("thd,tkd->thk", q.astype(jnp.float32), kv, precision=lax.Precision.HIGHEST) * scale
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)  # exp(-inf) = 0 for the masked entries
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("thk,tkc->thc", p, kv[..., :kv_lora_rank], precision=lax.Precision.HIGHEST)
+    out = jnp.where(l > 0, out / jnp.where(l > 0, l, 1.0), 0.0)
+    return out.astype(q.dtype)
+
+
+def _sparse_mla_kernel(idx_ref, q_ref, kv_ref, o_ref, *, scale, dl, dr, block_h, block_k, topk):
+    t = pl.program_id(0)
+    h0 = pl.program_id(1) * block_h
+    heads = h0 + jnp.arange(block_h)
+    q_nope = q_ref[t, pl.ds(h0, block_h), pl.ds(0, dl)]
+    q_rope = q_ref[t, pl.ds(h0, block_h), pl.ds(dl, dr)]
+    cols_l = jnp.arange(dl)[None, :]
+    cols_r = dl + jnp.arange(dr)[None, :]
+    nt = (((1,), (1,)), ((), ()))  # contract the feature dim of both: q @ k.T
+
+    def body(c, carry):
+        m, l, acc = carry
+        idx = idx_ref[t, pl.ds(c * block_k, block_k)]
+        valid = idx >= 0
+        rows = jnp.where(valid, idx, 0)[:, None]
+        kv = plgpu.load(kv_ref.at[rows, cols_l])  # [BK, Dl] gathered latent rows
+        kr = plgpu.load(kv_ref.at[rows, cols_r])  # [BK, Dr]
+        s = lax.dot_general(q_nope, kv, nt, preferred_element_type=jnp.float32)
+        s = s + lax.dot_general(q_rope, kr, nt, preferred_element_type=jnp.float32)
+        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # Keep exp() finite while every key seen so far is masked (m_new = -inf).
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32),
+            jnp.zeros((block_h, dl), jnp.float32))
+    m, l, acc = lax.fori_loop(0, topk // block_k, body, init)
+    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    o_ref[t, pl.ds(h0, block_h), :] = out.astype(o_ref.dtype)
+    del heads
+
+
+def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512,
+                                block_h: int = 32, block_k: int = 32, num_warps: int = 4, num_stages: int = 1,
+                                interpret: bool = False):
+    T, H, D = q.shape
+    dl, dr = kv_lora_rank, D - kv_lora_rank
+    topk = indices.shape[1]
+    block_h = min(block_h, H)
+    if H % block_h:
+        raise ValueError(f"heads {H} must be a multiple of block_h {block_h}")
+    flat = latent_cache.reshape(-1, D)
+    pad = (-topk) % block_k  # pad the index list with −1 up to whole chunks
+    indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    kernel = functools.partial(_sparse_mla_kernel, scale=float(scale), dl=dl, dr=dr, block_h=block_h,
+                               block_k=block_k, topk=topk + pad)
+    return pl.pallas_call(
+        kernel,
+        grid=(T, H // block_h),
+        out_shape=jax.ShapeDtypeStruct((T, H, dl), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="sparse_mla_attention",
+    )(indices, q, flat)
+
+
+def sparse_mla_attention(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512, impl: str = "auto",
+                         interpret: bool = False, **kernel_options):
+    """See the module docstring. `kv_lora_rank` = Dl (value width); D - Dl is the rope part."""
+    if resolve_impl(impl, interpret) == "xla":
+        return sparse_mla_attention_reference(q, latent_cache, indices, scale=scale, kv_lora_rank=kv_lora_rank)
+    return sparse_mla_attention_pallas(q, latent_cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
+                                       interpret=interpret, **kernel_options)
