@@ -8,7 +8,7 @@ import pytest
 from pallas_kernels import mamba_ssd
 from pallas_kernels.mamba_ssd import ssd_chunk_scan
 
-IMPLS = ["xla"]
+IMPLS = ["xla", "pallas"]
 
 
 def naive_scan(x, dt, A, B, C, D, dt_bias, cu, init, dt_limit=None):
@@ -63,6 +63,7 @@ CASES = [
     (37, 4, 5, 2, 6, 8, [0, 1, 9, 20, 20, 33]),
     (24, 6, 12, 3, 8, 16, [0, 24]),
     (19, 2, 3, 1, 4, 4, [0, 1, 2, 3, 19]),
+    (56, 4, 12, 2, 20, 16, [0, 3, 40, 51]),  # 37 tokens: three kernel blocks of 16, the last one short
 ]
 
 

@@ -1,0 +1,180 @@
+"""Pallas (Triton) kernel of the packed variable-length Mamba2 SSD scan; semantics in `mamba_ssd`'s docstring.
+
+One fused kernel, one program per (head, head-dim block, sequence). The program walks its sequence in blocks of
+`block_t` tokens aligned to the sequence start and carries the [P, N] state in registers from block to block, so
+chunk states never go through memory (the unfused mamba_ssm scan writes and re-reads them between five kernels).
+Per block, with cum = cumsum(dt * A) inside the block:
+
+    y      = ((C Bᵀ) ∘ exp(cum_l - cum_s)[l >= s] ∘ dt_s) x  +  exp(cum) ∘ (C stateᵀ)  +  D x
+    state <- exp(cum_last) state + xᵀ (B ∘ exp(cum_last - cum) dt)
+
+The block length only changes rounding, not the function (the decomposition is exact for any block length), so the
+kernel's `block_t` is a tile size chosen for the GPU and may differ from the model's `chunk_size`; blocks are still
+aligned to sequence starts and never mix sequences.
+
+Triton needs power-of-two tiles: head dim P and state size N are padded up to powers of two by masked loads and
+stores inside the kernel (no copies in the wrapper), so P = 80 runs as a 128-wide (or two 64-wide) tile.
+Products run on bf16 operands when the inputs are bf16 (float32 accumulation, float32 state) and in full float32
+(IEEE, not TF32) when the inputs are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_f32 = jnp.float32
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _softplus(v):
+    # Stable form that lowers to exp/log1p in Triton: max(v, 0) + log1p(exp(-|v|)).
+    return jnp.maximum(v, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(v)))
+
+
+def _dot(a, b, contract, precision):
+    """2-D dot_general with float32 accumulation; `contract` = (lhs dim, rhs dim)."""
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
+                           preferred_element_type=_f32)
+
+
+def _ssd_kernel(cu_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *rest, num_seqs, num_tokens, P, N,
+                R, BT, BP, BN, npb, has_init, dt_softplus, dt_limit, compute_dtype, precision):
+    if has_init:
+        init_ref, y_ref, fin_ref = rest
+    else:
+        y_ref, fin_ref = rest
+    pid = pl.program_id(0)
+    s = pl.program_id(1)
+    h = pid // npb
+    p0 = (pid % npb) * BP
+    g = h // R
+
+    seq_start = cu_ref[s]
+    seq_end = cu_ref[s + 1]
+    nblocks = (seq_end - seq_start + (BT - 1)) // BT
+    a = a_ref[h].astype(_f32)
+    dval = d_ref[h].astype(_f32)
+    dtb = dtb_ref[h].astype(_f32)
+
+    rows = lax.broadcasted_iota(jnp.int32, (BT,), 0)
+    pmask = (p0 + lax.broadcasted_iota(jnp.int32, (BP,), 0)) < P
+    nmask = lax.broadcasted_iota(jnp.int32, (BN,), 0) < N
+    pn_mask = pmask[:, None] & nmask[None, :]
+    causal = rows[:, None] >= rows[None, :]
+    is_last_row = rows == BT - 1
+
+    if has_init:
+        st = plgpu.load(init_ref.at[s, h, pl.ds(p0, BP), pl.ds(0, BN)], mask=pn_mask, other=0.0).astype(_f32)
+    else:
+        st = jnp.zeros((BP, BN), _f32)
+
+    def block(k, st):
+        t0 = seq_start + k * BT
+        rmask = rows < (seq_end - t0)
+        xp_mask = rmask[:, None] & pmask[None, :]
+        xn_mask = rmask[:, None] & nmask[None, :]
+        x = plgpu.load(x_ref.at[pl.ds(t0, BT), h, pl.ds(p0, BP)], mask=xp_mask, other=0.0)
+        dt = plgpu.load(dt_ref.at[pl.ds(t0, BT), h], mask=rmask, other=0.0).astype(_f32)
+        bm = plgpu.load(b_ref.at[pl.ds(t0, BT), g, pl.ds(0, BN)], mask=xn_mask, other=0.0)
+        cm = plgpu.load(c_ref.at[pl.ds(t0, BT), g, pl.ds(0, BN)], mask=xn_mask, other=0.0)
+
+        dt = dt + dtb
+        if dt_softplus:
+            dt = _softplus(dt)
+        if dt_limit is not None:
+            dt = jnp.clip(dt, dt_limit[0], dt_limit[1])
+        # Rows past the sequence end get dt = 0: no decay, no input, so cum stays flat and cum[BT-1] is the value at
+        # the last real token.
+        dt = jnp.where(rmask, dt, 0.0)
+        cum = lax.cumsum(dt * a, axis=0)
+        cum_last = jnp.sum(jnp.where(is_last_row, cum, 0.0))
+
+        bc = bm.astype(compute_dtype)
+        cc = cm.astype(compute_dtype)
+        xc = x.astype(compute_dtype)
+        cb = _dot(cc, bc, (1, 1), precision)  # [BT, BT]
+        decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))
+        scores = cb * decay * dt[None, :]
+        y = _dot(scores.astype(compute_dtype), xc, (1, 0), precision)  # [BT, BP]
+        y = y + _dot(cc, st.astype(compute_dtype), (1, 1), precision) * jnp.exp(cum)[:, None]
+        y = y + dval * x.astype(_f32)
+        plgpu.store(y_ref.at[pl.ds(t0, BT), h, pl.ds(p0, BP)], y.astype(y_ref.dtype), mask=xp_mask)
+
+        wb = bm.astype(_f32) * (jnp.exp(cum_last - cum) * dt)[:, None]
+        return st * jnp.exp(cum_last) + _dot(xc, wb.astype(compute_dtype), (0, 0), precision)  # [BP, BN]
+
+    st = lax.fori_loop(0, nblocks, block, st)
+    plgpu.store(fin_ref.at[s, h, pl.ds(p0, BP), pl.ds(0, BN)], st, mask=pn_mask)
+
+    # Tokens past cu[-1] (bucket padding) belong to no sequence; the last sequence's programs zero them.
+    @pl.when(s == num_seqs - 1)
+    def _zero_tail():
+        tail0 = cu_ref[num_seqs]
+        zeros = jnp.zeros((BT, BP), y_ref.dtype)
+
+        def zero_block(k, carry):
+            t0 = tail0 + k * BT
+            mask = (rows < (num_tokens - t0))[:, None] & pmask[None, :]
+            plgpu.store(y_ref.at[pl.ds(t0, BT), h, pl.ds(p0, BP)], zeros, mask=mask)
+            return carry
+
+        lax.fori_loop(0, (num_tokens - tail0 + (BT - 1)) // BT, zero_block, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "block_t", "block_p", "num_warps",
+                                             "num_stages", "interpret"))
+def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, *, dt_softplus, dt_limit, block_t,
+                block_p, num_warps, num_stages, interpret):
+    T, H, P = x.shape
+    G, N = B.shape[1:]
+    S = cu_seqlens.shape[0] - 1
+    # Triton's dot needs every tile dim >= 16; the masks make the extra rows and columns inert.
+    BP = max(min(_next_pow2(P), block_p), 16)
+    npb = -(-P // BP)
+    BN = max(_next_pow2(N), 16)
+    BT = block_t
+    compute_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else _f32
+    # float32 inputs ask for IEEE float32 products (Triton would otherwise use TF32, ~1e-3 relative).
+    precision = lax.Precision.DEFAULT if compute_dtype == jnp.bfloat16 else lax.Precision.HIGHEST
+    has_init = initial_states is not None
+    kernel = functools.partial(
+        _ssd_kernel, num_seqs=S, num_tokens=T, P=P, N=N, R=H // G, BT=BT, BP=BP, BN=BN, npb=npb,
+        has_init=has_init, dt_softplus=dt_softplus, dt_limit=dt_limit, compute_dtype=compute_dtype,
+        precision=precision)
+    args = [cu_seqlens.astype(jnp.int32), x, dt, A, D, dt_bias, B, C]
+    if has_init:
+        args.append(initial_states.astype(_f32))
+    return pl.pallas_call(
+        kernel,
+        grid=(H * npb, S),
+        out_shape=(jax.ShapeDtypeStruct((T, H, P), x.dtype), jax.ShapeDtypeStruct((S, H, P, N), _f32)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ssd_chunk_scan",
+    )(*args)
+
+
+def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initial_states=None,
+                          dt_softplus=True, dt_limit=None, interpret=False, block_t=None, block_p=64, num_warps=4,
+                          num_stages=2):
+    """Kernel entry point. `block_t` defaults to chunk_size rounded to a power of two, clipped to [16, 64] (a tile size: see the
+    module docstring); `block_p` caps the head-dim tile (more programs for small batches of sequences)."""
+    H = x.shape[1]
+    if block_t is None:
+        block_t = max(16, min(_next_pow2(chunk_size), 64))
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
+    D = jnp.zeros((H,), _f32) if D is None else D
+    dt_bias = jnp.zeros((H,), _f32) if dt_bias is None else dt_bias
+    return _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, dt_softplus=dt_softplus,
+                       dt_limit=dt_limit, block_t=block_t, block_p=block_p, num_warps=num_warps,
+                       num_stages=num_stages, interpret=interpret)
