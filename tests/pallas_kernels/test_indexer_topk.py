@@ -1,0 +1,151 @@
+"""indexer_topk: the Pallas kernels (interpret mode on CPU) against the XLA reference, plus a Triton lowering check.
+
+Top-k results are compared as sets with tie handling: every selected key must score at least the k-th best
+reference score (minus `tol`), every key scoring above it (plus `tol`) must be selected, no duplicates, −1 only
+after the valid entries.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels import indexer_topk, quantize_index_k_fp8
+from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, select_topk_pallas,
+                                         topk_reference)
+
+
+def assert_topk_valid(idx, scores, kv_lens, topk, tol=0.0):
+    """idx[T, topk] against reference scores[T, N] (only the first kv_lens[t] entries are valid)."""
+    idx, scores, kv_lens = np.asarray(idx), np.asarray(scores, np.float64), np.asarray(kv_lens)
+    T, N = scores.shape
+    assert idx.shape == (T, topk) and idx.dtype == np.int32
+    for t in range(T):
+        n_valid = min(int(kv_lens[t]), N)
+        k_eff = min(topk, n_valid)
+        row = idx[t]
+        assert (row[k_eff:] == -1).all(), f"row {t}: entries past {k_eff} must be -1: {row}"
+        sel = row[:k_eff]
+        assert ((sel >= 0) & (sel < n_valid)).all(), f"row {t}: out of range {sel}"
+        assert len(set(sel.tolist())) == k_eff, f"row {t}: duplicates"
+        if k_eff == 0:
+            continue
+        valid = scores[t, :n_valid]
+        kth = np.sort(valid)[::-1][k_eff - 1]
+        assert (valid[sel] >= kth - tol).all(), f"row {t}: selected a key below the k-th score"
+        must = np.nonzero(valid > kth + tol)[0]
+        assert set(must.tolist()) <= set(sel.tolist()), f"row {t}: missed a key above the k-th score"
+
+
+@pytest.mark.parametrize("distinct", [True, False])
+def test_select_topk_matches_reference(distinct):
+    T, N, topk = 7, 128, 8
+    x = jax.random.normal(jax.random.key(1), (T, N), jnp.float32)
+    if not distinct:
+        # Few distinct values: ties at the threshold overflow the 4k candidate buffer -> whole-row fallback.
+        x = jnp.round(x * 0.7)
+    kv_lens = jnp.array([128, 1, 0, 5, 8, 9, 100], jnp.int32)  # full, length 1, empty, shorter than k, = k, ...
+    got = select_topk_pallas(x, kv_lens, topk, chunk=32, interpret=True)
+    masked = jnp.where(jnp.arange(N) < kv_lens[:, None], x, -jnp.inf)
+    ref = topk_reference(masked, kv_lens, topk)
+    assert_topk_valid(got, masked, kv_lens, topk)
+    assert_topk_valid(ref, masked, kv_lens, topk)
+    # Ties keep the lowest positions, like lax.top_k, so even the tied rows match exactly as sets.
+    for t in range(T):
+        assert set(np.asarray(got[t]).tolist()) == set(np.asarray(ref[t]).tolist())
+
+
+def test_select_topk_non_power_of_two_k_and_negative_scores():
+    T, N, topk = 3, 64, 5
+    x = -jnp.abs(jax.random.normal(jax.random.key(2), (T, N)))  # all negative: exercises the key bit flip
+    kv_lens = jnp.array([64, 40, 3], jnp.int32)
+    got = select_topk_pallas(x, kv_lens, topk, chunk=16, interpret=True)
+    masked = jnp.where(jnp.arange(N) < kv_lens[:, None], x, -jnp.inf)
+    assert_topk_valid(got, masked, kv_lens, topk)
+
+
+def _paged_problem(key, *, T, Hi, D, page_size, max_pages, num_pages, dtype=jnp.float32):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    q = jax.random.normal(k1, (T, Hi, D), jnp.float32).astype(dtype)
+    w = jax.random.normal(k2, (T, Hi), jnp.float32) * (Hi * D) ** -0.5
+    k_cache = jax.random.normal(k3, (num_pages, page_size, D), jnp.float32).astype(dtype)
+    # Two sequences with shuffled, disjoint pages; page 0 is the null page.
+    perm = np.asarray(jax.random.permutation(k4, np.arange(1, num_pages)))
+    page_table = jnp.asarray(perm[: 2 * max_pages].reshape(2, max_pages), jnp.int32)
+    return q, w, k_cache, page_table
+
+
+def test_indexer_topk_paged_prefill_and_decode():
+    Hi, D, page_size, max_pages, topk = 4, 16, 8, 6, 16
+    T = 13
+    q, w, k_cache, page_table = _paged_problem(jax.random.key(3), T=T, Hi=Hi, D=D, page_size=page_size,
+                                               max_pages=max_pages, num_pages=16)
+    # Packed batch: seq 0 prefill chunk at positions 20..27, seq 1 at positions 0..3, then a decode query of
+    # seq 1 over 45 keys (and its padding token with kv_len 0). Query blocks of 4 straddle the two sequences.
+    seq_ids = jnp.array([0] * 8 + [1] * 4 + [1], jnp.int32)
+    kv_lens = jnp.array([21 + i for i in range(8)] + [1, 2, 3, 4] + [45], jnp.int32)
+    kv_lens = kv_lens.at[12].set(0).at[11].set(45)
+    kw = dict(kv_lens=kv_lens, page_table=page_table, seq_ids=seq_ids)
+    ref_logits = index_logits_reference(q, w, k_cache, **kw)
+    got_logits = index_logits_pallas(q, w, k_cache, block_q=4, block_kv=16, interpret=True, **kw)[:T]
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(ref_logits), rtol=1e-5, atol=1e-5)
+    got = indexer_topk(q, w, k_cache, topk=topk, impl="pallas", interpret=True, **kw)
+    ref = indexer_topk(q, w, k_cache, topk=topk, impl="xla", **kw)
+    assert_topk_valid(got, ref_logits, kv_lens, topk, tol=1e-5)
+    assert_topk_valid(ref, ref_logits, kv_lens, topk)
+
+
+def test_indexer_topk_contiguous_bf16():
+    S, L, Hi, D, topk = 2, 64, 4, 16, 8
+    key = jax.random.key(4)
+    q = jax.random.normal(key, (5, Hi, D)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(5), (5, Hi))
+    k_cache = jax.random.normal(jax.random.key(6), (S, L, D)).astype(jnp.bfloat16)
+    seq_ids = jnp.array([0, 1, 1, 0, 1], jnp.int32)
+    kv_lens = jnp.array([64, 7, 1, 33, 60], jnp.int32)
+    got = indexer_topk(q, w, k_cache, kv_lens=kv_lens, seq_ids=seq_ids, topk=topk, impl="pallas", interpret=True)
+    logits = index_logits_reference(q, w, k_cache, kv_lens=kv_lens, seq_ids=seq_ids)
+    # bf16 inputs, float32 products on both sides: only summation order differs.
+    assert_topk_valid(got, logits, kv_lens, topk, tol=1e-3)
+
+
+def test_indexer_topk_fp8_cache():
+    Hi, D, page_size, max_pages, topk, T = 4, 32, 8, 4, 8, 6
+    q, w, k_cache, page_table = _paged_problem(jax.random.key(7), T=T, Hi=Hi, D=D, page_size=page_size,
+                                               max_pages=max_pages, num_pages=12)
+    q = q.astype(jnp.bfloat16)
+    k8, k_scale = quantize_index_k_fp8(k_cache)
+    seq_ids = jnp.array([0, 0, 1, 1, 1, 0], jnp.int32)
+    kv_lens = jnp.array([32, 5, 32, 17, 9, 1], jnp.int32)
+    kw = dict(kv_lens=kv_lens, page_table=page_table, seq_ids=seq_ids)
+    # The kernel on FP8 keys equals the reference on the same dequantised keys (exact up to summation order)...
+    ref8 = index_logits_reference(q, w, k8, k_scale=k_scale, **kw)
+    got8 = index_logits_pallas(q, w, k8, k_scale=k_scale, interpret=True, **kw)[:T]
+    np.testing.assert_allclose(np.asarray(got8), np.asarray(ref8), rtol=1e-4, atol=1e-4)
+    got = indexer_topk(q, w, k8, k_scale=k_scale, topk=topk, impl="pallas", interpret=True, **kw)
+    assert_topk_valid(got, ref8, kv_lens, topk, tol=1e-4)
+    # ...and stays within the stated FP8 tolerance of the bf16 scores: |error| <= 5% of the row's score range
+    # (e4m3 keeps 3 mantissa bits: relative key error <= 2^-4).
+    exact = index_logits_reference(q, w, k_cache.astype(jnp.bfloat16), **kw)
+    valid = np.isfinite(np.asarray(exact))
+    err = np.abs(np.asarray(ref8)[valid] - np.asarray(exact)[valid])
+    scale = np.max(np.abs(np.asarray(exact)[valid]))
+    assert err.max() <= 0.05 * scale
+    assert_topk_valid(got, exact, kv_lens, topk, tol=0.1 * scale)
+
+
+def _lower_for_cuda(f, *specs):
+    """Lower to the GPU's Triton IR without a GPU: catches unsupported primitives and block shapes on CPU."""
+    return export.export(jax.jit(f), platforms=["cuda"],
+                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*specs)
+
+
+def test_kernels_lower_to_triton_at_deepseek_shapes():
+    S = jax.ShapeDtypeStruct
+    _lower_for_cuda(lambda x, n: select_topk_pallas(x, n, 2048), S((4, 65536), jnp.float32), S((4,), jnp.int32))
+    _lower_for_cuda(
+        lambda q, w, k, ks, pt, s, n: indexer_topk(q, w, k, k_scale=ks, kv_lens=n, page_table=pt, seq_ids=s,
+                                                    topk=2048, impl="pallas"),
+        S((64, 64, 128), jnp.bfloat16), S((64, 64), jnp.float32), S((512, 64, 128), jnp.float8_e4m3fn),
+        S((512, 64), jnp.float32), S((2, 256), jnp.int32), S((64,), jnp.int32), S((64,), jnp.int32))
