@@ -7,7 +7,7 @@ import pytest
 
 from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
 
-IMPLS = ["xla"]
+IMPLS = ["xla", "pallas"]
 
 
 def silu(v):
@@ -64,6 +64,21 @@ def test_conv_matches_naive(impl, activation, case):
     assert y.shape == (T, Cd) and fin.shape == (len(cu) - 1, Cd, K - 1)
     assert rel(y, y_ref) < 1e-5 and rel(fin, fin_ref) < 1e-6
     assert np.all(np.asarray(y)[cu[-1]:] == 0)
+
+
+def test_conv_kernel_blocks_across_a_sequence():
+    # Small token blocks so sequences span several kernel blocks (the default block is larger than these tests).
+    from pallas_kernels.causal_conv1d_pallas import causal_conv1d_pallas
+
+    cu = [0, 2, 37, 40]
+    rng = np.random.default_rng(12)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((44, 20), (20, 4), (20,)))
+    init = rng.standard_normal((3, 20, 3)).astype(np.float32)
+    y, fin = causal_conv1d_pallas(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), cu_seqlens=jnp.asarray(cu),
+                                  initial_states=jnp.asarray(init), interpret=True, block_t=16, block_c=16)
+    y_ref, fin_ref = naive_conv(x, w, b, cu, init, "silu")
+    assert rel(y, y_ref) < 1e-5 and np.array_equal(np.asarray(fin), fin_ref.astype(np.float32))
+    assert np.all(np.asarray(y)[40:] == 0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

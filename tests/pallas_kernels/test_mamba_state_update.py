@@ -6,7 +6,7 @@ import pytest
 
 from pallas_kernels.mamba_state_update import ssd_state_update
 
-IMPLS = ["xla"]
+IMPLS = ["xla", "pallas"]
 
 
 def naive_step(state, x, dt, A, B, C, D, dt_bias, slot_ids):

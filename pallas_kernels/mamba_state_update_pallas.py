@@ -1,0 +1,88 @@
+"""Pallas (Triton) kernel of the Mamba2 decode state update; semantics in `mamba_state_update`'s docstring.
+
+Memory-bound: each request reads and writes its [H, P, N] float32 state once, so the kernel is a streaming
+read-modify-write. One program per (request, head, head-dim block): it loads the slot id, a [BP, N] state tile (a
+contiguous run of memory, since the state is [slots, H, P, N] row-major), updates it in float32, stores it back into
+the same buffer (input_output_aliases: the donated pool is updated in place) and reduces it against C for y.
+
+Requests with slot id 0 (padding) read and write slot 0 only; several may race on it, which only makes the null
+slot's garbage nondeterministic. P is tiled by its largest power-of-two divisor (80 -> 16, 64 -> 32, capped at 32), so
+no lanes are wasted on padding; N is padded up to a power of two by masked loads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_f32 = jnp.float32
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _softplus(v):
+    return jnp.maximum(v, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(v)))
+
+
+def _update_kernel(slot_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, state_in_ref, y_ref, state_ref, *,
+                   P, N, R, BP, BN, npb, dt_softplus):
+    del state_in_ref  # aliased to state_ref
+    b = pl.program_id(0)
+    pid = pl.program_id(1)
+    h = pid // npb
+    p0 = (pid % npb) * BP
+    g = h // R
+    slot = slot_ref[b]
+
+    pmask = (p0 + lax.broadcasted_iota(jnp.int32, (BP,), 0)) < P
+    nmask = lax.broadcasted_iota(jnp.int32, (BN,), 0) < N
+    pn_mask = pmask[:, None] & nmask[None, :]
+
+    dt = dt_ref[b, h].astype(_f32) + dtb_ref[h].astype(_f32)
+    if dt_softplus:
+        dt = _softplus(dt)
+    decay = jnp.exp(dt * a_ref[h].astype(_f32))
+    x = plgpu.load(x_ref.at[b, h, pl.ds(p0, BP)], mask=pmask, other=0.0).astype(_f32)
+    bv = plgpu.load(b_ref.at[b, g, pl.ds(0, BN)], mask=nmask, other=0.0).astype(_f32)
+    cv = plgpu.load(c_ref.at[b, g, pl.ds(0, BN)], mask=nmask, other=0.0).astype(_f32)
+    tile = state_ref.at[slot, h, pl.ds(p0, BP), pl.ds(0, BN)]
+    st = plgpu.load(tile, mask=pn_mask, other=0.0).astype(_f32)
+    st = st * decay + (dt * x)[:, None] * bv[None, :]
+    plgpu.store(tile, st.astype(state_ref.dtype), mask=pn_mask)
+    y = jnp.sum(st * cv[None, :], axis=1) + d_ref[h].astype(_f32) * x
+    plgpu.store(y_ref.at[b, h, pl.ds(p0, BP)], y.astype(y_ref.dtype), mask=pmask)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "block_p", "num_warps", "interpret"))
+def _update_pallas(state, x, dt, A, B, C, D, dt_bias, slot_ids, *, dt_softplus, block_p, num_warps, interpret):
+    Bsz, H, P = x.shape
+    G, N = B.shape[1:]
+    BP = min(P & -P, block_p)  # largest power-of-two divisor of P: no masked-off lanes
+    npb = P // BP
+    BN = _next_pow2(N)
+    kernel = functools.partial(_update_kernel, P=P, N=N, R=H // G, BP=BP, BN=BN, npb=npb, dt_softplus=dt_softplus)
+    return pl.pallas_call(
+        kernel,
+        grid=(Bsz, H * npb),
+        out_shape=(jax.ShapeDtypeStruct((Bsz, H, P), x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)),
+        input_output_aliases={8: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="ssd_state_update",
+    )(slot_ids.astype(jnp.int32), x, dt, A, D, dt_bias, B, C, state)
+
+
+def ssd_state_update_pallas(state, x, dt, A, B, C, *, D, dt_bias, slot_ids, dt_softplus=True, interpret=False,
+                            block_p=32, num_warps=4):
+    H = x.shape[1]
+    D = jnp.zeros((H,), _f32) if D is None else D
+    dt_bias = jnp.zeros((H,), _f32) if dt_bias is None else dt_bias
+    return _update_pallas(state, x, dt, A, B, C, D, dt_bias, slot_ids, dt_softplus=dt_softplus, block_p=block_p,
+                          num_warps=num_warps, interpret=interpret)
