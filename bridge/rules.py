@@ -21,29 +21,33 @@ class TensorSource:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     assemble: Callable[[list[np.ndarray]], np.ndarray]
+    # The inverse of `assemble`, for writing HF checkpoints: our param -> the checkpoint tensors, in `names` order.
+    disassemble: Callable[[np.ndarray], list[np.ndarray]]
 
 
 Rule = Callable[[str, tuple[int, ...], object], TensorSource | None]
 
-_EXPERT_PARAM = re.compile(r"^(?P<base>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_EXPERT_PARAM = re.compile(r"^(?P<base>(.*\.)?experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 
 
 def linear_kernel(path, shape, reader):
     if path.endswith(".kernel") and len(shape) == 2:
-        return TensorSource((path[: -len("kernel")] + "weight",), ((shape[1], shape[0]),), lambda a: a[0].T)
+        return TensorSource((path[: -len("kernel")] + "weight",), ((shape[1], shape[0]),), lambda a: a[0].T,
+                            lambda p: [p.T])
     return None
 
 
 def embedding(path, shape, reader):
     if path.endswith(".embedding"):
-        return TensorSource((path[: -len("embedding")] + "weight",), (shape,), lambda a: a[0])
+        return TensorSource((path[: -len("embedding")] + "weight",), (shape,), lambda a: a[0], lambda p: [p])
     return None
 
 
 def depthwise_conv(path, shape, reader):
     if path.endswith("conv1d.weight") and len(shape) == 2:
         channels, kernel = shape
-        return TensorSource((path,), ((channels, 1, kernel),), lambda a: a[0].reshape(channels, kernel))
+        return TensorSource((path,), ((channels, 1, kernel),), lambda a: a[0].reshape(channels, kernel),
+                            lambda p: [p.reshape(channels, 1, kernel)])
     return None
 
 
@@ -53,13 +57,15 @@ def stacked_experts(path, shape, reader):
         return None
     num_experts, fan_in, fan_out = shape
     if path in reader:
-        return TensorSource((path,), ((num_experts, fan_out, fan_in),), lambda a: a[0].transpose(0, 2, 1))
+        return TensorSource((path,), ((num_experts, fan_out, fan_in),), lambda a: a[0].transpose(0, 2, 1),
+                            lambda p: [p.transpose(0, 2, 1)])
     names = tuple(f"{match['base']}.{j}.{match['proj']}.weight" for j in range(num_experts))
-    return TensorSource(names, ((fan_out, fan_in),) * num_experts, lambda arrays: np.stack([a.T for a in arrays]))
+    return TensorSource(names, ((fan_out, fan_in),) * num_experts, lambda arrays: np.stack([a.T for a in arrays]),
+                        lambda p: [expert.T for expert in p])
 
 
 def same_name(path, shape, reader):
-    return TensorSource((path,), (shape,), lambda a: a[0])
+    return TensorSource((path,), (shape,), lambda a: a[0], lambda p: [p])
 
 
 DEFAULT_RULES: tuple[Rule, ...] = (linear_kernel, embedding, depthwise_conv, stacked_experts, same_name)

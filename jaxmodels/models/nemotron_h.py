@@ -53,6 +53,8 @@ class NemotronHBlock(nnx.Module):
 
 
 class NemotronHForCausalLM(nnx.Module):
+    HF_BASE_PREFIX = "backbone."  # NVIDIA's published checkpoints; transformers writes the same on save
+
     def __init__(self, config: NemotronHConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
