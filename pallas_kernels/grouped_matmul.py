@@ -60,7 +60,7 @@ def make_schedule(group_sizes, M: int, block_m: int):
             jnp.where(used, row_start, 0).astype(jnp.int32), jnp.where(used, row_end, 0).astype(jnp.int32))
 
 
-def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, M, K, E, block_m, block_n,
+def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, M, K, N, E, block_m, block_n,
                 block_k):
     n0 = pl.program_id(0) * block_n
     item = pl.program_id(1)
@@ -77,18 +77,18 @@ def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *
             # Rows past M are masked (M need not be a multiple of BM); rows of other segments are computed
             # but never stored.
             xt = plgpu.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=(rows < M)[:, None], other=0)
-            wt = w_ref[e, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+            wt = plgpu.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=(cols < N)[None, :],
+                            other=0)
             return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
 
         acc = lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype),
-                    mask=in_seg[:, None])
+                    mask=in_seg[:, None] & (cols < N)[None, :])
 
     @pl.when(e == E)
     def _tail():
         plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)],
-                    jnp.zeros((block_m, block_n), o_ref.dtype), mask=in_seg[:, None])
-    del cols
+                    jnp.zeros((block_m, block_n), o_ref.dtype), mask=in_seg[:, None] & (cols < N)[None, :])
 
 
 def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int = 128, block_n: int = 128, block_k: int = 64,
@@ -97,16 +97,16 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int = 128, block_n: int
     E, K2, N = w.shape
     if K2 != K:
         raise ValueError(f"x has K={K}, w has K={K2}")
-    block_n = min(block_n, N)
     block_k = min(block_k, K)
-    if N % block_n or K % block_k:
-        raise ValueError(f"N={N} and K={K} must be multiples of block_n={block_n} and block_k={block_k}")
+    if K % block_k:
+        raise ValueError(f"K={K} must be a multiple of block_k={block_k}")
+    # N need not be a multiple of block_n (Nemotron's 1856 = 29 * 64): the last column tile is masked.
     schedule = make_schedule(group_sizes, M, block_m)
     num_items = schedule[0].shape[0]
-    kernel = functools.partial(_gmm_kernel, M=M, K=K, E=E, block_m=block_m, block_n=block_n, block_k=block_k)
+    kernel = functools.partial(_gmm_kernel, M=M, K=K, N=N, E=E, block_m=block_m, block_n=block_n, block_k=block_k)
     return pl.pallas_call(
         kernel,
-        grid=(N // block_n, num_items),
+        grid=(pl.cdiv(N, block_n), num_items),
         out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
