@@ -50,3 +50,51 @@ def save(model, directory, **kwargs):
 def logits_of(model, input_ids) -> "torch.Tensor":
     with torch.no_grad():
         return model(torch.as_tensor(input_ids)).logits.float()
+
+
+# DSA models (DeepSeek-V3.2, GLM-5). Index heads are many enough (16) that an all-heads-negative score of exactly 0,
+# which would tie, is rare; the dims are distinct so a swapped split shows as a shape error.
+DSA_BASE = dict(
+    vocab_size=101, hidden_size=48, intermediate_size=56, moe_intermediate_size=20, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=10,
+    qk_rope_head_dim=8, v_head_dim=12, index_n_heads=16, index_head_dim=16, index_topk=6, first_k_dense_replace=1,
+    n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+    routed_scaling_factor=2.5, rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0), num_nextn_predict_layers=1,
+)
+
+# YaRN with mscale != mscale_all_dim, so that both the cos/sin factor and the softmax-scale correction are not 1.
+DSA_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=16,
+                beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.7)
+
+DSA_VARIANTS = {
+    "deepseek_v32": dict(),
+    "deepseek_v32_yarn": dict(rope_parameters=DSA_YARN, max_position_embeddings=128, n_group=1, topk_group=1,
+                              norm_topk_prob=False, routed_scaling_factor=1.5),
+    # GLM-5 with a shared-indexer layer (layer 2 reuses layer 1's top-k).
+    "glm_moe_dsa": dict(indexer_types=["full", "full", "shared"], n_group=2, topk_group=1, num_experts_per_tok=2),
+}
+
+
+def make_dsa(variant: str, seed: int = 0, **overrides):
+    """A random DeepSeek-V3.2 or GLM-5 model in eval mode, with random router correction biases and norm weights.
+
+    Norm weights are drawn away from 1 so that a norm applied to the wrong tensor (or not at all) shows.
+    """
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    glm = variant.startswith("glm")
+    config_cls, model_cls = (GlmMoeDsaConfig, GlmMoeDsaForCausalLM) if glm else (DeepseekV32Config,
+                                                                                 DeepseekV32ForCausalLM)
+    torch.manual_seed(seed)
+    config = config_cls(**{**DSA_BASE, **DSA_VARIANTS[variant], **overrides})
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn_like(tensor) * 0.05)
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                tensor.copy_(1 + 0.2 * torch.randn_like(tensor))
+            elif name.endswith("k_norm.bias"):
+                tensor.copy_(0.1 * torch.randn_like(tensor))
+    return model

@@ -5,10 +5,13 @@ on construction and raises `ConfigError` naming the offending field.
 """
 
 from jaxmodels.configs.base import ConfigError, read_config_dict
+from jaxmodels.configs.deepseek_v32 import DeepseekV32Config, GlmMoeDsaConfig
 from jaxmodels.configs.nemotron_h import NemotronHConfig
 
 CONFIG_CLASSES = {
     "nemotron_h": NemotronHConfig,
+    "deepseek_v32": DeepseekV32Config,
+    "glm_moe_dsa": GlmMoeDsaConfig,
 }
 
 
@@ -23,4 +26,7 @@ def load_config(source):
     return CONFIG_CLASSES[model_type].from_hf(raw)
 
 
-__all__ = ["ConfigError", "NemotronHConfig", "load_config", "read_config_dict", "CONFIG_CLASSES"]
+__all__ = [
+    "ConfigError", "NemotronHConfig", "DeepseekV32Config", "GlmMoeDsaConfig", "load_config", "read_config_dict",
+    "CONFIG_CLASSES",
+]

@@ -3,10 +3,13 @@
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmodels.models.deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from jaxmodels.models.nemotron_h import NemotronHForCausalLM
 
 MODEL_CLASSES = {
     "nemotron_h": NemotronHForCausalLM,
+    "deepseek_v32": DeepseekV32ForCausalLM,
+    "glm_moe_dsa": GlmMoeDsaForCausalLM,
 }
 
 
@@ -54,5 +57,10 @@ def checkpoint_ignore_patterns(config) -> tuple[str, ...]:
     # Multi-token-prediction heads (`mtp.*` in Nemotron-H) serve speculative decoding, which transformers does not
     # load either; they are skipped until the engine grows speculative decoding.
     patterns.append(r"^mtp\.")
+    # DeepSeek / GLM checkpoints append theirs as extra decoder layers after the last real one.
+    num_mtp = getattr(config, "num_nextn_predict_layers", 0)
+    if num_mtp and config.model_type in ("deepseek_v32", "glm_moe_dsa"):
+        first = config.num_hidden_layers
+        patterns.append(rf"^layers\.({'|'.join(str(first + i) for i in range(num_mtp))})\.")
     return tuple(patterns)
 
