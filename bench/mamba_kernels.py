@@ -1,0 +1,364 @@
+"""Mamba2 kernels on the GPU: Pallas kernel vs XLA reference, side by side, with achieved bandwidth.
+
+    PYTHONPATH=. python bench/mamba_kernels.py [--check] [--tune] [--quick] [--out DIR]
+
+--check  runs the correctness checks on the GPU first (compiled kernels vs XLA references, fp32 and bf16, awkward
+         shapes, idle/padding slots bit-identical).
+--tune   times a few tile configurations of the SSD scan at T = 8192 before the table.
+Shapes: Nano-9B (H=128, P=80, N=128, G=8) and Nano-30B (H=64, P=64, N=128, G=8), chunk 128, conv K=4, bf16 inputs,
+fp32 SSM state. Prefill T in {2k, 8k, 32k} as one sequence and as 16 packed sequences; decode batch {1, 64, 256}.
+Minimum bytes: inputs read once, outputs and final states written once (decode: the state read and written once).
+Times are per call, the median of several back-to-back runs of n calls (dispatch overlaps the GPU work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from pallas_kernels.mamba_ssd import ssd_chunk_scan
+from pallas_kernels.mamba_ssd_pallas import ssd_chunk_scan_pallas
+from pallas_kernels.mamba_state_update import ssd_state_update
+
+COPY_CEILING = 4.25e12  # bytes/s, device-to-device copy on this H200 (read + written)
+SHAPES = {"nano9b": dict(H=128, P=80, N=128, G=8), "nano30b": dict(H=64, P=64, N=128, G=8)}
+CHUNK, K = 128, 4
+# mamba_ssm Triton on this H200, from issue 5 (bf16, fp32 final states, CUDA-graph replay, autotuned per size).
+MAMBA_SSM_US = {("scan", "nano9b", 8192, 1): 790, ("scan", "nano9b", 32768, 1): 3230,
+                ("scan", "nano9b", 8192, 16): 900, ("scan", "nano30b", 8192, 1): 330,
+                ("scan", "nano30b", 32768, 1): 1230, ("decode", "nano9b", 64): 187, ("decode", "nano9b", 256): 781}
+
+LOG = []
+INTERPRET = False  # --interpret: CPU smoke run of this script (kernels in interpret mode)
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    LOG.append(s)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def time_fn(fn, make_args, budget_s=0.15, trials=5):
+    """Seconds per call. make_args() -> args; fn returns (out, carry) where carry feeds the next call's args (for
+    donated state), or carry None."""
+    args = make_args()
+    out, carry = fn(*args)
+    jax.block_until_ready(out)
+    if carry is not None:
+        args = carry
+    t = time.perf_counter()
+    out, carry = fn(*args)
+    jax.block_until_ready(out)
+    one = time.perf_counter() - t
+    if carry is not None:
+        args = carry
+    n = int(min(max(budget_s / max(one, 1e-6), 3), 200))
+    res = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        for _ in range(n):
+            out, carry = fn(*args)
+            if carry is not None:
+                args = carry
+        jax.block_until_ready(out)
+        res.append((time.perf_counter() - t) / n)
+    return statistics.median(res)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def scan_inputs(key, T, H, P, N, G, S, dtype=jnp.bfloat16, init=False, pad=0):
+    ks = jax.random.split(key, 8)
+    lens = np.full(S, T // S)
+    lens[: T % S] += 1
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    Tt = T + pad
+    x = jax.random.normal(ks[0], (Tt, H, P), jnp.float32).astype(dtype)
+    dt = (jax.random.normal(ks[1], (Tt, H), jnp.float32) - 1.0).astype(dtype)
+    A = -jnp.exp(jax.random.uniform(ks[2], (H,), minval=-2.0, maxval=1.0))
+    B = jax.random.normal(ks[3], (Tt, G, N), jnp.float32).astype(dtype)
+    C = jax.random.normal(ks[4], (Tt, G, N), jnp.float32).astype(dtype)
+    D = jax.random.normal(ks[5], (H,))
+    dt_bias = jax.random.normal(ks[6], (H,))
+    init_states = jax.random.normal(ks[7], (S, H, P, N)) if init else None
+    return dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, cu=jnp.asarray(cu), init=init_states)
+
+
+def run_scan(inp, impl, **kw):
+    if impl == "pallas" and kw:
+        return ssd_chunk_scan_pallas(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
+                                     dt_bias=inp["dt_bias"], cu_seqlens=inp["cu"], chunk_size=CHUNK,
+                                     initial_states=inp["init"], interpret=INTERPRET, **kw)
+    return ssd_chunk_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"], dt_bias=inp["dt_bias"],
+                          cu_seqlens=inp["cu"], chunk_size=CHUNK, initial_states=inp["init"], impl=impl,
+                          interpret=INTERPRET)
+
+
+def decode_inputs(key, Bsz, H, P, N, G, dtype=jnp.bfloat16, slots=None):
+    ks = jax.random.split(key, 8)
+    slots = slots or Bsz + 1
+    return dict(state=jax.random.normal(ks[0], (slots, H, P, N)),
+                x=jax.random.normal(ks[1], (Bsz, H, P)).astype(dtype),
+                dt=(jax.random.normal(ks[2], (Bsz, H)) - 1.0).astype(dtype),
+                A=-jnp.exp(jax.random.uniform(ks[3], (H,), minval=-2.0, maxval=1.0)),
+                B=jax.random.normal(ks[4], (Bsz, G, N)).astype(dtype),
+                C=jax.random.normal(ks[5], (Bsz, G, N)).astype(dtype),
+                D=jax.random.normal(ks[6], (H,)), dt_bias=jax.random.normal(ks[7], (H,)),
+                slot_ids=jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, Bsz + 1)), jnp.int32))
+
+
+def decode_step(impl):
+    def step(state, x, dt, A, B, C, D, dt_bias, slot_ids):
+        return ssd_state_update(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, slot_ids=slot_ids, impl=impl,
+                                interpret=INTERPRET)
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def conv_update_step(impl):
+    def step(state, x, w, b, slot_ids):
+        return causal_conv1d_update(x, state, w, b, slot_ids=slot_ids, impl=impl,
+                                interpret=INTERPRET)
+    return jax.jit(step, donate_argnums=(0,))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# correctness on the GPU
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def check():
+    ok = True
+
+    def expect(name, cond, detail):
+        nonlocal ok
+        ok &= bool(cond)
+        log(f"check {'PASS' if cond else 'FAIL'} {name}: {detail}")
+
+    key = jax.random.PRNGKey(1)
+    # Scan: P=80 and P=12 (not powers of two), several groups, initial states, ragged sequences incl. 1-token and
+    # empty ones, bucket padding after cu[-1]; fp32 to 1e-5, bf16 to 1e-2 (bf16 operands of the block products).
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+        for (H, P, N, G) in ((16, 80, 128, 2), (6, 12, 20, 3)):
+            key, k = jax.random.split(key)
+            inp = scan_inputs(k, 700, H, P, N, G, 1, dtype=dtype, init=True, pad=37)
+            inp["cu"] = jnp.asarray([0, 1, 130, 130, 389, 390, 700], jnp.int32)
+            inp["init"] = jax.random.normal(k, (6, H, P, N))
+            y_k, f_k = run_scan(inp, "pallas")
+            y_x, f_x = run_scan(inp, "xla")
+            y_k, f_k = np.asarray(y_k.astype(jnp.float32)), np.asarray(f_k)
+            expect(f"scan {jnp.dtype(dtype).name} H{H} P{P} N{N} G{G}",
+                   rel(y_k, y_x.astype(jnp.float32)) < tol and rel(f_k, f_x) < tol and np.all(y_k[700:] == 0)
+                   and np.all(np.isfinite(y_k)),
+                   f"y rel {rel(y_k, y_x.astype(jnp.float32)):.2e}, states rel {rel(f_k, f_x):.2e}")
+    # Decode state update: padded rows on slot 0, idle slots bit-identical.
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+        key, k = jax.random.split(key)
+        inp = decode_inputs(k, 8, 16, 80, 128, 2, dtype=dtype, slots=12)
+        inp["slot_ids"] = jnp.asarray([3, 0, 7, 1, 0, 10, 0, 4], jnp.int32)
+        before = np.asarray(inp["state"])
+        y_k, s_k = ssd_state_update(jnp.array(inp["state"]), inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
+                                    D=inp["D"], dt_bias=inp["dt_bias"], slot_ids=inp["slot_ids"], impl="pallas", interpret=INTERPRET)
+        y_x, s_x = ssd_state_update(jnp.array(inp["state"]), inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
+                                    D=inp["D"], dt_bias=inp["dt_bias"], slot_ids=inp["slot_ids"], impl="xla")
+        real, idle = [0, 2, 3, 5, 7], [2, 5, 6, 8, 9, 11]
+        s_k = np.asarray(s_k)
+        yk, yx = np.asarray(y_k.astype(jnp.float32))[real], np.asarray(y_x.astype(jnp.float32))[real]
+        expect(f"state_update {jnp.dtype(dtype).name}",
+               rel(yk, yx) < tol and rel(s_k[1:], np.asarray(s_x)[1:]) < 1e-5
+               and np.array_equal(s_k[idle], before[idle]),
+               f"y rel {rel(yk, yx):.2e}, state rel {rel(s_k[1:], np.asarray(s_x)[1:]):.2e}, idle slots identical")
+    # Conv prefill and decode.
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+        key, k1, k2, k3, k4 = jax.random.split(key, 5)
+        Cd = 1000
+        x = jax.random.normal(k1, (737, Cd)).astype(dtype)
+        w = jax.random.normal(k2, (Cd, K)).astype(dtype)
+        b = jax.random.normal(k3, (Cd,)).astype(dtype)
+        cu = jnp.asarray([0, 1, 2, 300, 300, 700], jnp.int32)
+        init = jax.random.normal(k4, (5, Cd, K - 1)).astype(dtype)
+        y_k, f_k = causal_conv1d(x, w, b, cu_seqlens=cu, initial_states=init, impl="pallas", interpret=INTERPRET)
+        y_x, f_x = causal_conv1d(x, w, b, cu_seqlens=cu, initial_states=init, impl="xla")
+        y_k = np.asarray(y_k.astype(jnp.float32))
+        expect(f"conv1d {jnp.dtype(dtype).name}",
+               rel(y_k, y_x.astype(jnp.float32)) < tol and np.array_equal(np.asarray(f_k), np.asarray(f_x))
+               and np.all(y_k[700:] == 0), f"y rel {rel(y_k, y_x.astype(jnp.float32)):.2e}, final states exact")
+        st = jax.random.normal(k4, (9, Cd, K - 1)).astype(dtype)
+        ids = jnp.asarray([5, 0, 2, 0, 8], jnp.int32)
+        y_k, s_k = causal_conv1d_update(x[:5], jnp.array(st), w, b, slot_ids=ids, impl="pallas", interpret=INTERPRET)
+        y_x, s_x = causal_conv1d_update(x[:5], jnp.array(st), w, b, slot_ids=ids, impl="xla")
+        yk, yx = np.asarray(y_k.astype(jnp.float32))[[0, 2, 4]], np.asarray(y_x.astype(jnp.float32))[[0, 2, 4]]
+        s_k = np.asarray(s_k.astype(jnp.float32))
+        expect(f"conv1d_update {jnp.dtype(dtype).name}",
+               rel(yk, yx) < tol and np.array_equal(s_k[1:], np.asarray(s_x.astype(jnp.float32))[1:])
+               and np.array_equal(s_k[[1, 3, 4, 6, 7]], np.asarray(st.astype(jnp.float32))[[1, 3, 4, 6, 7]]),
+               f"y rel {rel(yk, yx):.2e}, states exact, idle slots identical")
+    return ok
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def scan_bytes(T, S, H, P, N, G):
+    return 2 * (2 * T * H * P + T * H + 2 * T * G * N) + 4 * S * H * P * N
+
+
+def tune(rows):
+    variants = [dict(block_t=64, block_p=64, num_warps=4, num_stages=2),
+                dict(block_t=64, block_p=128, num_warps=4, num_stages=2),
+                dict(block_t=64, block_p=64, num_warps=8, num_stages=2),
+                dict(block_t=128, block_p=64, num_warps=8, num_stages=2),
+                dict(block_t=64, block_p=32, num_warps=4, num_stages=2)]
+    key = jax.random.PRNGKey(2)
+    for name, sh in SHAPES.items():
+        for S in (1, 16):
+            inp = scan_inputs(key, 8192, sh["H"], sh["P"], sh["N"], sh["G"], S)
+            for v in variants:
+                try:
+                    f = jax.jit(lambda i, v=v: run_scan(i, "pallas", **v))
+                    t = time_fn(lambda i: (f(i), None), lambda: (inp,))
+                    log(f"tune scan {name} T=8192 S={S} {v}: {t * 1e6:.0f} us")
+                    rows.append(dict(kind="tune", shape=name, S=S, variant=v, us=t * 1e6))
+                except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
+                    log(f"tune scan {name} S={S} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+
+
+def table(rows, Ts, batches=(1, 64, 256)):
+    key = jax.random.PRNGKey(3)
+    for name, sh in SHAPES.items():
+        H, P, N, G = sh["H"], sh["P"], sh["N"], sh["G"]
+        for T in Ts:
+            for S in (1, 16):
+                inp = scan_inputs(key, T, H, P, N, G, S)
+                nbytes = scan_bytes(T, S, H, P, N, G)
+                res = {}
+                for impl in ("pallas", "xla"):
+                    try:
+                        f = jax.jit(lambda i, impl=impl: run_scan(i, impl))
+                        res[impl] = time_fn(lambda i: (f(i), None), lambda: (inp,))
+                    except Exception as e:  # noqa: BLE001
+                        log(f"scan {name} T={T} S={S} {impl} FAILED {type(e).__name__}: {str(e)[:300]}")
+                add_row(rows, "ssd_chunk_scan", name, f"T={T} S={S}", res, nbytes,
+                        MAMBA_SSM_US.get(("scan", name, T, S)))
+        for Bsz in batches:
+            nbytes = 2 * Bsz * H * P * N * 4 + 2 * (2 * Bsz * H * P + Bsz * H + 2 * Bsz * G * N)
+            res = {}
+            for impl in ("pallas", "xla"):
+                try:
+                    step = decode_step(impl)
+                    inp = decode_inputs(key, Bsz, H, P, N, G)
+                    rest = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "slot_ids")]
+
+                    def call(state, *r):
+                        y, new = step(state, *r)
+                        return y, (new, *r)
+                    res[impl] = time_fn(call, lambda: (inp["state"], *rest))
+                except Exception as e:  # noqa: BLE001
+                    log(f"decode {name} B={Bsz} {impl} FAILED {type(e).__name__}: {str(e)[:300]}")
+            add_row(rows, "ssd_state_update", name, f"B={Bsz}", res, nbytes, MAMBA_SSM_US.get(("decode", name, Bsz)))
+        Cd = H * P + 2 * G * N
+        for T in Ts:
+            for S in (1, 16):
+                k1, k2 = jax.random.split(jax.random.fold_in(key, T))
+                x = jax.random.normal(k1, (T, Cd)).astype(jnp.bfloat16)
+                w = jax.random.normal(k2, (Cd, K)).astype(jnp.bfloat16)
+                b = jnp.zeros((Cd,), jnp.bfloat16)
+                cu = jnp.asarray(np.linspace(0, T, S + 1).astype(np.int32))
+                nbytes = 2 * (2 * T * Cd + S * Cd * (K - 1))
+                res = {}
+                for impl in ("pallas", "xla"):
+                    try:
+                        f = jax.jit(lambda x, w, b, cu, impl=impl: causal_conv1d(x, w, b, cu_seqlens=cu, impl=impl,
+                                                                            interpret=INTERPRET))
+                        res[impl] = time_fn(lambda *a: (f(*a), None), lambda: (x, w, b, cu))
+                    except Exception as e:  # noqa: BLE001
+                        log(f"conv {name} T={T} {impl} FAILED {type(e).__name__}: {str(e)[:300]}")
+                add_row(rows, "causal_conv1d", name, f"T={T} S={S}", res, nbytes, None)
+        for Bsz in batches[1:]:
+            res = {}
+            nbytes = 2 * (2 * Bsz * Cd * (K - 1) + 2 * Bsz * Cd)
+            for impl in ("pallas", "xla"):
+                try:
+                    step = conv_update_step(impl)
+                    k1, k2 = jax.random.split(jax.random.fold_in(key, Bsz))
+                    st = jax.random.normal(k1, (Bsz + 1, Cd, K - 1)).astype(jnp.bfloat16)
+                    x = jax.random.normal(k2, (Bsz, Cd)).astype(jnp.bfloat16)
+                    w = jax.random.normal(k2, (Cd, K)).astype(jnp.bfloat16)
+                    ids = jnp.arange(1, Bsz + 1, dtype=jnp.int32)
+
+                    def call(state, *r):
+                        y, new = step(state, *r)
+                        return y, (new, *r)
+                    res[impl] = time_fn(call, lambda: (st, x, w, jnp.zeros((Cd,), jnp.bfloat16), ids))
+                except Exception as e:  # noqa: BLE001
+                    log(f"conv_update {name} B={Bsz} {impl} FAILED {type(e).__name__}: {str(e)[:300]}")
+            add_row(rows, "causal_conv1d_update", name, f"B={Bsz}", res, nbytes, None)
+
+
+def add_row(rows, kernel, shape, size, res, nbytes, ref_us):
+    kp, kx = res.get("pallas"), res.get("xla")
+    row = dict(kind="table", kernel=kernel, shape=shape, size=size, pallas_us=kp and kp * 1e6,
+               xla_us=kx and kx * 1e6, speedup=(kx / kp) if kp and kx else None,
+               tbps=(nbytes / kp / 1e12) if kp else None, mamba_ssm_us=ref_us)
+    rows.append(row)
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    log(f"| {kernel} | {shape} | {size} | {fmt(row['pallas_us'], '.0f')} | {fmt(row['xla_us'], '.0f')} | "
+        f"{fmt(row['speedup'], '.1f')}x | {fmt(row['tbps'], '.2f')} ({fmt(row['tbps'] and row['tbps'] * 1e12 / COPY_CEILING * 100, '.0f')}%) | "
+        f"{fmt(ref_us, '.0f')} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    global INTERPRET
+    INTERPRET = a.interpret
+    log(f"jax {jax.__version__}, devices {jax.devices()}")
+    rows = []
+    ok = True
+    try:
+        if a.check:
+            ok = check()
+        if a.tune:
+            tune(rows)
+        log("| kernel | shape | size | pallas µs | XLA ref µs | speedup | pallas TB/s (% of 4.25) | mamba_ssm µs (issue) |")
+        log("|---|---|---|---|---|---|---|---|")
+        table(rows, (2048, 8192) if a.quick else (2048, 8192, 32768))
+    except Exception:  # noqa: BLE001 - keep what was measured
+        log(traceback.format_exc())
+        ok = False
+    finally:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "mamba_kernels.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(os.path.join(a.out, "mamba_kernels.log"), "w") as f:
+            f.write("\n".join(LOG) + "\n")
+    log(f"checks {'passed' if ok else 'FAILED'}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
