@@ -2,5 +2,6 @@
 
 from jaxmodels.configs import ConfigError, load_config
 from jaxmodels.loading import load_model
+from jaxmodels.llm import LLM, RequestOutput, SamplingParams
 
-__all__ = ["ConfigError", "load_config", "load_model"]
+__all__ = ["ConfigError", "LLM", "RequestOutput", "SamplingParams", "load_config", "load_model"]

@@ -27,6 +27,38 @@ def causal_attention(q, k, v, *, scale: float, sliding_window: int | None = None
     return out.reshape(batch, seq, heads, head_dim)
 
 
+def write_pages(pages, new, token_pages, positions):
+    """Store new[T,Hk,d] at each token's slot of a paged cache pages[num_pages, page_size, Hk, d].
+
+    token_pages[T, P] is each token's page-table row; a padded token's row is all zeros, so it writes page 0, the
+    null page no real request reads.
+    """
+    page_size = pages.shape[1]
+    page = jnp.take_along_axis(token_pages, (positions // page_size)[:, None], axis=1)[:, 0]
+    return pages.at[page, positions % page_size].set(new.astype(pages.dtype))
+
+
+def paged_attention(q, k_pages, v_pages, token_pages, positions, *, scale: float):
+    """Causal GQA of packed queries over a paged cache: q[T,H,d] -> [T,H,d].
+
+    Token t sees the cached keys at positions 0..positions[t] of its own page-table row token_pages[t]. Keys are
+    gathered per token: simple and exact, the XLA reference a paged-attention kernel would replace on the GPU.
+    """
+    num_tokens, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    keys = k_pages[token_pages].reshape(num_tokens, -1, kv_heads, head_dim)  # [T, P*page_size, Hk, d]
+    values = v_pages[token_pages].reshape(num_tokens, -1, kv_heads, head_dim)
+    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # [T, S]
+    # Unwritten cache rows may hold anything (even NaN in the null page); zeroing them keeps 0 * NaN out of the sum.
+    values = jnp.where(visible[:, :, None, None], values, 0)
+    q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("tgrd,tsgd->tgrs", q, keys, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("tgrs,tsgd->tgrd", probs, values)
+    return out.reshape(num_tokens, heads, head_dim)
+
+
 class GQAAttention(nnx.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, rngs: nnx.Rngs,
                  dtype=jnp.float32, sliding_window: int | None = None):
@@ -44,3 +76,15 @@ class GQAAttention(nnx.Module):
         v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         out = causal_attention(q, k, v, scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(batch, seq, -1))
+
+    def forward_paged(self, x: jax.Array, k_pages, v_pages, token_pages, positions):
+        """Packed tokens x[T,D] at `positions`[T], with paged KV caches: writes their keys and values, attends over
+        everything cached for their request up to themselves -> (out[T,D], k_pages, v_pages)."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        k_pages = write_pages(k_pages, k, token_pages, positions)
+        v_pages = write_pages(v_pages, v, token_pages, positions)
+        out = paged_attention(q, k_pages, v_pages, token_pages, positions, scale=self.head_dim**-0.5)
+        return self.o_proj(out.reshape(num_tokens, -1)), k_pages, v_pages

@@ -44,8 +44,15 @@ class Mamba2Mixer(nnx.Module):
         self.norm = GatedGroupRMSNorm(self.intermediate, self.intermediate // n_groups, eps, dtype=dtype)
         self.out_proj = linear(self.intermediate, hidden_size, rngs=rngs, bias=proj_bias, dtype=dtype)
 
-    def forward_packed(self, hidden: jax.Array, cu_seqlens: jax.Array, conv_states=None, ssm_states=None):
-        """hidden[T,D] packed by `cu_seqlens`[S+1] -> (out[T,D], conv_states[S,C,K-1], ssm_states[S,H,P,N])."""
+    def forward_packed(self, hidden: jax.Array, cu_seqlens: jax.Array, conv_states=None, ssm_states=None,
+                       dt_floor_mask=None):
+        """hidden[T,D] packed by `cu_seqlens`[S+1] -> (out[T,D], conv_states[S,C,K-1], ssm_states[S,H,P,N]).
+
+        `dt_floor_mask` (bool[T], optional) applies the `time_step_min` floor to the marked tokens only. The serving
+        engine needs it when it recomputes a preempted request: transformers floors dt in its chunked (prompt) path
+        but not in its one-token decode path, so tokens that were first decoded must be recomputed unfloored to
+        reproduce the same state.
+        """
         num_tokens = hidden.shape[0]
         projected = self.in_proj(hidden)
         gate, xbc, dt = jnp.split(projected, [self.intermediate, self.intermediate + self.conv_dim], axis=-1)
@@ -54,6 +61,11 @@ class Mamba2Mixer(nnx.Module):
             xbc, self.conv1d.weight[...], bias, cu_seqlens=cu_seqlens, initial_states=conv_states,
             activation="silu")
         x, B, C = jnp.split(xbc, [self.intermediate, self.intermediate + self.n_groups * self.state_size], axis=-1)
+        dt_args = dict(dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=(self.time_step_min, math.inf))
+        if dt_floor_mask is not None:
+            dt = self._softplus_dt(dt)
+            dt = jnp.where(dt_floor_mask[:, None], jnp.maximum(dt, self.time_step_min), dt)
+            dt_args = dict(dt_bias=None, dt_softplus=False, dt_limit=None)
         y, ssm_states = pallas_kernels.ssd_chunk_scan(
             x.reshape(num_tokens, self.num_heads, self.head_dim),
             dt,
@@ -61,15 +73,45 @@ class Mamba2Mixer(nnx.Module):
             B.reshape(num_tokens, self.n_groups, self.state_size),
             C.reshape(num_tokens, self.n_groups, self.state_size),
             D=self.D[...],
-            dt_bias=self.dt_bias[...],
             cu_seqlens=cu_seqlens,
             chunk_size=self.chunk_size,
             initial_states=ssm_states,
-            dt_softplus=True,
-            dt_limit=(self.time_step_min, math.inf),
+            **dt_args,
         )
         y = self.norm(y.reshape(num_tokens, self.intermediate), gate)
         return self.out_proj(y.astype(hidden.dtype)), conv_states, ssm_states
+
+    def _softplus_dt(self, dt: jax.Array) -> jax.Array:
+        """softplus(dt + dt_bias) in float32, as the kernels compute it before any clamp."""
+        return jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+
+    def forward_decode(self, hidden: jax.Array, conv_pool: jax.Array, ssm_pool: jax.Array, slot_ids: jax.Array):
+        """One token per request: hidden[B,D], state pools indexed by slot_ids[B] -> (out[B,D], conv_pool, ssm_pool).
+
+        No `time_step_min` floor here: transformers' recurrent (decode) path applies none, and greedy parity with
+        it is the contract. Slot 0 is the null slot of padded requests.
+        """
+        batch = hidden.shape[0]
+        projected = self.in_proj(hidden)
+        gate, xbc, dt = jnp.split(projected, [self.intermediate, self.intermediate + self.conv_dim], axis=-1)
+        bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
+        xbc, conv_pool = pallas_kernels.causal_conv1d_update(
+            xbc, conv_pool, self.conv1d.weight[...], bias, slot_ids=slot_ids, activation="silu")
+        x, B, C = jnp.split(xbc, [self.intermediate, self.intermediate + self.n_groups * self.state_size], axis=-1)
+        y, ssm_pool = pallas_kernels.ssd_state_update(
+            ssm_pool,
+            x.reshape(batch, self.num_heads, self.head_dim),
+            dt,
+            -jnp.exp(self.A_log[...].astype(jnp.float32)),
+            B.reshape(batch, self.n_groups, self.state_size),
+            C.reshape(batch, self.n_groups, self.state_size),
+            D=self.D[...],
+            dt_bias=self.dt_bias[...],
+            slot_ids=slot_ids,
+            dt_softplus=True,
+        )
+        y = self.norm(y.reshape(batch, self.intermediate), gate)
+        return self.out_proj(y.astype(hidden.dtype)), conv_pool, ssm_pool
 
     def __call__(self, hidden: jax.Array) -> jax.Array:
         """Full sequences, no cache: hidden[B,T,D] -> [B,T,D]."""

@@ -1,0 +1,1 @@
+"""Serving engine: cache pools, padded buckets compiled once, a continuous-batching scheduler, in-graph sampling."""

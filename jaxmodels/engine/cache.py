@@ -1,0 +1,78 @@
+"""Cache pools and their host-side allocators.
+
+Device side, each family's step declares its caches (paged KV pages, Mamba state slots); here they are sized and
+allocated. Page 0 and slot 0 are the null page / slot: padded tokens and requests read and write only them, and
+the allocators never hand them to a real request.
+"""
+
+import dataclasses
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger("jaxmodels.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizes:
+    page_size: int
+    num_pages: int  # including the null page 0
+    num_slots: int  # including the null slot 0
+    pages_per_seq: int  # width of a page-table row
+
+    @classmethod
+    def from_limits(cls, *, max_batch_size: int, max_seq_len: int, page_size: int = 16,
+                    num_pages: int | None = None) -> "PoolSizes":
+        pages_per_seq = math.ceil(max_seq_len / page_size)
+        if num_pages is None:
+            num_pages = 1 + max_batch_size * pages_per_seq
+        if num_pages - 1 < pages_per_seq:
+            # Below this a single max-length request could never finish, preemption or not.
+            raise ValueError(f"num_pages={num_pages} cannot hold one request of max_seq_len={max_seq_len} "
+                             f"({pages_per_seq} pages of {page_size} plus the null page)")
+        return cls(page_size=page_size, num_pages=num_pages, num_slots=max_batch_size + 1,
+                   pages_per_seq=pages_per_seq)
+
+
+def allocate_caches(shapes) -> dict:
+    """Zero-filled device arrays for a pytree of ShapeDtypeStructs, with the total size logged."""
+    caches = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    total = sum(s.size * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+    log.info("cache pools: %s, %.1f MiB in all", describe(shapes), total / 2**20)
+    return caches
+
+
+def describe(shapes) -> str:
+    parts = []
+    for name, arrays in shapes.items():
+        arrays = list(arrays)
+        if arrays:
+            a = arrays[0]
+            parts.append(f"{name} {len(arrays)} x {tuple(a.shape)} {jnp.dtype(a.dtype).name}")
+    return "; ".join(parts)
+
+
+class FreeList:
+    """Ids 1..count-1 (0 is the null id, never handed out)."""
+
+    def __init__(self, count: int, what: str):
+        self.what = what
+        self._free = list(range(count - 1, 0, -1))  # pop() hands out low ids first
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int = 1) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} {self.what}s with {len(self._free)} free")
+        taken = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return taken
+
+    def give_back(self, ids) -> None:
+        for i in ids:
+            if i <= 0:
+                raise RuntimeError(f"null {self.what} 0 given back")
+            self._free.append(i)

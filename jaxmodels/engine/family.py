@@ -1,0 +1,14 @@
+"""Per-family step code the engine plugs in: an object with `params`, `cache_shapes(PoolSizes)`,
+`extend(params, caches, batch)` and `decode(params, caches, batch)` (see nemotron_h_step.py)."""
+
+from jaxmodels.engine.nemotron_h_step import NemotronHStep
+
+STEP_CLASSES = {"nemotron_h": NemotronHStep}
+
+
+def step_for(model):
+    model_type = model.config.model_type
+    if model_type not in STEP_CLASSES:
+        raise ValueError(f"the engine has no step functions for model_type {model_type!r}; "
+                         f"supported: {sorted(STEP_CLASSES)}")
+    return STEP_CLASSES[model_type](model)

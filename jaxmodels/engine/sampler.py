@@ -1,0 +1,35 @@
+"""Token sampling inside the jitted step: greedy, temperature, top-k, top-p, with per-request seeds.
+
+Every knob is an array, one entry per row, so one executable serves any mix of requests. Randomness comes from
+fold_in(key(seed), step) where step is the number of tokens the request has generated so far: a request draws the
+same token whatever batch it lands in, and again when it is recomputed after preemption.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def sample(logits, temperature, top_k, top_p, seed, step):
+    """logits[B,V] float32; temperature/top_p float32[B]; top_k int32[B] (<= 0: off); seed uint32[B];
+    step int32[B] -> int32[B]. temperature 0 means greedy."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # One descending sort serves both filters: top-k keeps ranks < k, top-p keeps the smallest prefix whose
+    # probability mass reaches p (the first token always survives).
+    order = jnp.argsort(-scaled, axis=-1)
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    ranked = jnp.where(rank < k[:, None], ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    ranked = jnp.where(mass_before < top_p[:, None], ranked, -jnp.inf)
+
+    def draw(row_logits, row_seed, row_step):
+        key = jax.random.fold_in(jax.random.key(row_seed), row_step)
+        return jax.random.categorical(key, row_logits)
+
+    picked_rank = jax.vmap(draw)(ranked, seed, step)
+    sampled = jnp.take_along_axis(order, picked_rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)

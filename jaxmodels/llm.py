@@ -1,0 +1,93 @@
+"""The public serving API: `LLM(path, ...)`, `llm.generate(prompts, SamplingParams(...))`, and a streaming variant."""
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+
+from jaxmodels.engine.engine import Engine, InvalidRequest
+from jaxmodels.engine.request import SamplingParams
+from jaxmodels.loading import load_model
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    index: int  # position of the prompt in the list given to generate
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # None when the checkpoint has no tokenizer
+    finish_reason: str | None  # "stop", "length", "error"; None while streaming an unfinished request
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def load_tokenizer(path):
+    """The checkpoint's tokenizer through `tokenizers`, or None when the directory has none."""
+    file = os.path.join(os.fspath(path), "tokenizer.json")
+    if not os.path.exists(file):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(file)
+
+
+class LLM:
+    def __init__(self, path, dtype="bfloat16", max_batch_size: int = 64, max_seq_len: int = 4096, dp: int = 1,
+                 tp: int = 1, *, max_prefill_tokens: int | None = None, page_size: int = 16,
+                 num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None):
+        if (dp, tp) != (1, 1):
+            raise NotImplementedError("dp/tp sharding is not implemented in the engine yet; use dp=1, tp=1")
+        self.model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress)
+        self.tokenizer = load_tokenizer(path) if path is not None else None
+        self.engine = Engine(self.model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                             max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,
+                             warmup=warmup, progress=progress)
+
+    def _encode(self, prompt):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("a text prompt needs a tokenizer.json in the checkpoint directory; "
+                                     "pass token ids instead")
+            return self.tokenizer.encode(prompt).ids
+        return list(prompt)
+
+    def _output(self, index, request, prompt, error=None) -> RequestOutput:
+        if error is not None:
+            return RequestOutput(index, prompt, [], None, "error", error)
+        tokens = list(request.output)
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+        return RequestOutput(index, list(request.prompt), tokens, text, request.finish_reason)
+
+    def generate_stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
+        """Yield a RequestOutput (all tokens so far) each time a request gets a token or is rejected; the last one
+        yielded for each request has its finish_reason set."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        index_of = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                ids = self._encode(prompt)
+                index_of[self.engine.add_request(ids, p).request_id] = i
+            except InvalidRequest as e:
+                yield self._output(i, None, prompt if not isinstance(prompt, str) else [], f"prompt {i}: {e}")
+        while self.engine.has_work():
+            for request in self.engine.step():
+                if request.request_id in index_of:
+                    yield self._output(index_of[request.request_id], request, None)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Serve all prompts to completion; outputs in prompt order (bad prompts get finish_reason "error")."""
+        final = {}
+        for out in self.generate_stream(prompts, params):
+            if out.finished:
+                final[out.index] = out
+        return [final[i] for i in sorted(final)]
