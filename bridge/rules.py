@@ -3,8 +3,8 @@
 Our modules mirror transformers' names, so one small rule set covers both families:
 `*.kernel` is the transpose of the torch Linear's `*.weight`; `*.embedding` is the embedding's `*.weight`; the
 Mamba conv weight drops torch's singleton axis; stacked experts come either stacked (transformers >= 5 layout,
-[E, out, in]) or one tensor per expert (`experts.{j}.up_proj.weight`, the published layout). Everything else
-keeps its name and shape.
+[E, out, in]) or one tensor per expert (`experts.{j}.up_proj.weight`, the published layout), and gated experts
+may come with gate and up fused (`experts.gate_up_proj`). Everything else keeps its name and shape.
 """
 
 import dataclasses
@@ -64,11 +64,29 @@ def stacked_experts(path, shape, reader):
                         lambda p: [expert.T for expert in p])
 
 
+def fused_gate_up_experts(path, shape, reader):
+    """Gated experts whose gate and up projections are fused in one tensor `experts.gate_up_proj` [E, 2·inter, in]
+    (gate rows first): the layout of transformers' in-memory DeepSeek-V3.2 / GLM-5 modules. `save_pretrained`
+    splits it back into per-expert tensors, which `stacked_experts` reads."""
+    match = _EXPERT_PARAM.match(path)
+    if not match or match["proj"] == "down_proj" or f"{match['base']}.gate_up_proj" not in reader:
+        return None
+    num_experts, fan_in, inter = shape
+    half = slice(0, inter) if match["proj"] == "gate_proj" else slice(inter, 2 * inter)
+
+    def write_back(param):
+        raise ValueError(f"{path}: the fused gate_up_proj layout is read-only; write per-expert tensors instead")
+
+    return TensorSource((f"{match['base']}.gate_up_proj",), ((num_experts, 2 * inter, fan_in),),
+                        lambda a: a[0][:, half].transpose(0, 2, 1), write_back)
+
+
 def same_name(path, shape, reader):
     return TensorSource((path,), (shape,), lambda a: a[0], lambda p: [p])
 
 
-DEFAULT_RULES: tuple[Rule, ...] = (linear_kernel, embedding, depthwise_conv, stacked_experts, same_name)
+DEFAULT_RULES: tuple[Rule, ...] = (linear_kernel, embedding, depthwise_conv, fused_gate_up_experts, stacked_experts,
+                                   same_name)
 
 
 def source_for(path: str, shape: tuple[int, ...], reader, rules=DEFAULT_RULES) -> TensorSource:
