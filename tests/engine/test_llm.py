@@ -1,0 +1,170 @@
+"""End-to-end serving tests on tiny random Nemotron-H checkpoints (float32, CPU).
+
+Limits are small on purpose (max_batch_size 4, 8-token prefill chunks: 5 buckets per engine) so compiling stays
+cheap; 8-token chunks also split every prompt longer than 8 across steps, and the model's Mamba chunk size is 8, so
+prompts of 13 and 27 tokens span several Mamba chunks and several prefill steps.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+import jaxmodels
+from jaxmodels import SamplingParams
+from tests.hf_models import make_nemotron_h, save
+
+LIMITS = dict(max_batch_size=4, max_seq_len=64, max_prefill_tokens=8, progress=False)
+PROMPT_LENGTHS = [1, 3, 8, 13, 27]  # five prompts for four slots: one joins as another finishes
+NEW_TOKENS = 10
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+
+
+def random_prompts(lengths, seed=0, vocab=97):
+    rng = np.random.default_rng(seed)
+    # Ids from 3 up: a prompt holding EOS (2) is fine, but keeps the tests' intent obvious.
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def hf_greedy(hf_model, prompt, max_new_tokens=NEW_TOKENS):
+    """transformers' greedy generate for one prompt (stops at EOS like ours)."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def served(request, tmp_path_factory):
+    hf_model = make_nemotron_h(request.param)
+    path = save(hf_model, tmp_path_factory.mktemp(request.param))
+    return hf_model, path, jaxmodels.LLM(path, dtype="float32", **LIMITS)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    hf_model = make_nemotron_h("dense")
+    path = save(hf_model, tmp_path_factory.mktemp("dense_engine"))
+    return hf_model, path, jaxmodels.LLM(path, dtype="float32", **LIMITS)
+
+
+def test_greedy_matches_transformers(served):
+    hf_model, _, llm = served
+    prompts = random_prompts(PROMPT_LENGTHS)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.index for o in outs] == list(range(len(prompts)))
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(hf_model, prompt)
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        assert out.finish_reason == ("stop" if expected[-1] == 2 and len(expected) < NEW_TOKENS else "length")
+        assert out.prompt_token_ids == prompt
+
+
+def test_request_alone_equals_request_in_padded_batches(dense):
+    _, _, llm = dense
+    target = random_prompts([13], seed=1)[0]
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=1234)
+    for params in (GREEDY, sampled):
+        alone = llm.generate([target], params)[0].token_ids
+        # Three requests pad the decode batch to 4 and the prefill chunks to their bucket; others differ in length.
+        for others in ([2, 20], [30, 5], [1]):
+            batch = random_prompts(others, seed=len(others) + others[0])
+            mixed = llm.generate([*batch[:1], target, *batch[1:]], params)
+            assert mixed[1].token_ids == alone
+
+
+@contextlib.contextmanager
+def count_compilations():
+    from jax._src import monitoring
+
+    count = [0]
+
+    def listener(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def test_nothing_compiles_after_warmup(dense):
+    import jax
+
+    _, _, llm = dense
+    with count_compilations() as count:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(5))  # the listener does see compilations
+    assert count[0] >= 1
+    with count_compilations() as count:
+        llm.generate(random_prompts([27, 1, 9, 16, 4, 22, 2], seed=5), GREEDY)
+        llm.generate(random_prompts([5], seed=6), SamplingParams(max_new_tokens=3, temperature=1.3, seed=9))
+        params = [SamplingParams(max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=n)
+                  for n, t, k, p in [(1, 0.0, 0, 1.0), (6, 0.7, 5, 0.8), (12, 1.0, 0, 0.5)]]
+        for out in llm.generate_stream(random_prompts([40, 7, 12], seed=7), params):
+            pass
+    assert count[0] == 0
+
+
+def test_preemption_completes_every_request(tmp_path):
+    hf_model = make_nemotron_h("dense")
+    path = save(hf_model, tmp_path / "ckpt")
+    # 8 usable pages of 8 tokens hold 64 tokens; five requests need about 5 x 35.
+    llm = jaxmodels.LLM(path, dtype="float32", max_batch_size=4, max_seq_len=64, max_prefill_tokens=8,
+                        page_size=8, num_pages=9, warmup=False, progress=False)
+    prompts = random_prompts([20, 25, 12, 27, 18], seed=3)
+    params = SamplingParams(max_new_tokens=15, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.finish_reason == "length"
+        assert len(out.token_ids) == 15
+        expected = hf_greedy(hf_model, prompt, 15)
+        assert out.token_ids[: len(expected)] == expected
+    # Everything given back: all pages and slots free again.
+    scheduler = llm.engine.scheduler
+    assert len(scheduler.free_pages) == 8 and len(scheduler.free_slots) == 4 and not scheduler.has_work()
+
+
+def test_bad_input_is_rejected_and_others_finish(dense):
+    hf_model, _, llm = dense
+    good = random_prompts([6, 11], seed=4)
+    prompts = [good[0], [], list(range(3, 67)), [5, 97], [5, -1], good[1], good[1], good[1], good[1], good[1]]
+    params = [GREEDY] * 6 + [SamplingParams(max_new_tokens=0), SamplingParams(temperature=-1.0),
+                             SamplingParams(top_p=0.0), SamplingParams(top_k=-5)]
+    outs = llm.generate(prompts, params)
+    assert len(outs) == len(prompts)
+    errors = {o.index: o.error for o in outs if o.finish_reason == "error"}
+    assert set(errors) == {1, 2, 3, 4, 6, 7, 8, 9}
+    assert "empty" in errors[1]
+    assert "max_seq_len=64" in errors[2]
+    assert "97" in errors[3] and "vocabulary" in errors[3]
+    assert "-1" in errors[4] and "vocabulary" in errors[4]
+    assert "max_new_tokens" in errors[6]
+    assert "temperature" in errors[7]
+    assert "top_p" in errors[8]
+    assert "top_k" in errors[9]
+    assert outs[0].token_ids == hf_greedy(hf_model, good[0])
+    assert outs[5].token_ids == hf_greedy(hf_model, good[1])
+    # The engine holds nothing of the rejected requests.
+    assert not llm.engine.has_work()
+
+
+def test_text_prompt_without_tokenizer_is_an_error(dense):
+    _, _, llm = dense
+    (out,) = llm.generate(["hello"], GREEDY)
+    assert out.finish_reason == "error" and "tokenizer" in out.error
+
+
+def test_streaming_yields_every_token_then_the_final_output(dense):
+    _, _, llm = dense
+    prompts = random_prompts([4, 15], seed=8)
+    final = llm.generate(prompts, GREEDY)
+    seen = {0: [], 1: []}
+    for out in llm.generate_stream(prompts, GREEDY):
+        assert out.token_ids[:-1] == seen[out.index]  # one new token per update
+        seen[out.index] = out.token_ids
+        if out.finished:
+            assert out.token_ids == final[out.index].token_ids
+    assert [seen[0], seen[1]] == [o.token_ids for o in final]
