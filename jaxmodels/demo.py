@@ -8,7 +8,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -51,46 +50,25 @@ def write_demo_checkpoint(directory, seed: int = 0) -> str:
     return save_hf_checkpoint(model, DEMO_CONFIG, directory)
 
 
-def greedy_without_cache(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy decoding by re-running the full causal forward over a fixed-size buffer (one compilation).
-
-    Causality makes the logits at position t independent of the padding after it.
-    """
-    max_len = max(len(p) for p in prompts) + max_new_tokens
-    buffer = np.zeros((len(prompts), max_len), np.int32)
-    lengths = np.array([len(p) for p in prompts])
-    for row, prompt in enumerate(prompts):
-        buffer[row, : len(prompt)] = prompt
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_tokens(state, ids, lengths):
-        logits = nnx.merge(graphdef, state)(ids)
-        return jnp.argmax(logits[jnp.arange(ids.shape[0]), lengths - 1], axis=-1)
-
-    for _ in range(max_new_tokens):
-        tokens = np.asarray(next_tokens(state, buffer, lengths))
-        buffer[np.arange(len(prompts)), lengths] = tokens
-        lengths += 1
-    return [buffer[row, len(p):lengths[row]].tolist() for row, p in enumerate(prompts)]
-
-
 def run_demo(num_requests: int = 8, max_new_tokens: int = 32, seed: int = 0) -> None:
-    from jaxmodels.loading import load_model
+    from jaxmodels.llm import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_demo_checkpoint(os.path.join(tmp, "demo-nemotron-h"), seed)
         print(f"wrote a random Nemotron-H checkpoint ({DEMO_CONFIG['hybrid_override_pattern']}) to {path}")
-        model = load_model(path, dtype="float32")
+        # Few buckets keep the warm-up short on a 2-core CPU: 64-token prefill steps (one smaller bucket for
+        # tails), decode batches of 1, 4 and 8.
+        llm = LLM(path, dtype="float32", max_batch_size=8, max_seq_len=128, prefill_sizes=[16, 64],
+                  decode_sizes=[1, 4, 8])
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, DEMO_CONFIG["vocab_size"], size=int(n)).tolist()
                for n in rng.integers(4, 40, size=num_requests)]
-    greedy_without_cache(model, prompts, 2)  # compile outside the timed run
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    outputs = greedy_without_cache(model, prompts, max_new_tokens)
+    outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    for prompt, output in zip(prompts, outputs):
-        print(f"prompt of {len(prompt):2d} tokens -> {output[:12]}...")
-    generated = sum(len(o) for o in outputs)
+    for prompt, out in zip(prompts, outputs):
+        print(f"prompt of {len(prompt):2d} tokens -> {out.token_ids[:12]}... ({out.finish_reason})")
+    generated = sum(len(o.token_ids) for o in outputs)
     print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s "
-          f"({num_requests} requests, no KV cache, {jax.default_backend()})")
+          f"({num_requests} requests, LLM.generate with paged KV and Mamba state caches, {jax.default_backend()})")

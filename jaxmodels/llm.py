@@ -39,14 +39,16 @@ def load_tokenizer(path):
 class LLM:
     def __init__(self, path, dtype="bfloat16", max_batch_size: int = 64, max_seq_len: int = 4096, dp: int = 1,
                  tp: int = 1, *, max_prefill_tokens: int | None = None, page_size: int = 16,
-                 num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None):
+                 num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None,
+                 prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None):
         if (dp, tp) != (1, 1):
             raise NotImplementedError("dp/tp sharding is not implemented in the engine yet; use dp=1, tp=1")
         self.model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress)
         self.tokenizer = load_tokenizer(path) if path is not None else None
         self.engine = Engine(self.model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,
-                             warmup=warmup, progress=progress)
+                             warmup=warmup, progress=progress, prefill_sizes=prefill_sizes,
+                             decode_sizes=decode_sizes)
 
     def _encode(self, prompt):
         if isinstance(prompt, str):

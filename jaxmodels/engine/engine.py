@@ -19,12 +19,19 @@ class InvalidRequest(ValueError):
 
 class Engine:
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, max_prefill_tokens: int | None = None,
-                 page_size: int = 16, num_pages: int | None = None, warmup: bool = True, progress: bool = True):
+                 page_size: int = 16, num_pages: int | None = None, warmup: bool = True, progress: bool = True,
+                 prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None):
+        """`prefill_sizes` / `decode_sizes` replace the default bucket lists (fewer buckets compile faster; the
+        largest prefill bucket is the per-step token budget, the largest decode one must be max_batch_size)."""
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
         self.config = model.config
         self.max_seq_len = max_seq_len
-        max_prefill_tokens = max_prefill_tokens or min(max_seq_len, 1024)
+        prefill_sizes = sorted(prefill_sizes or prefill_buckets(max_prefill_tokens or min(max_seq_len, 1024)))
+        decode_sizes = sorted(decode_sizes or decode_buckets(max_batch_size))
+        if decode_sizes[-1] != max_batch_size:
+            raise ValueError(f"the largest decode bucket must be max_batch_size={max_batch_size}: {decode_sizes}")
+        max_prefill_tokens = prefill_sizes[-1]
         self.sizes = PoolSizes.from_limits(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                            page_size=page_size, num_pages=num_pages)
         log.info("engine limits: max_batch_size=%d max_seq_len=%d max_prefill_tokens=%d; pools: %d KV pages of %d "
@@ -32,8 +39,8 @@ class Engine:
                  max_prefill_tokens, self.sizes.num_pages, page_size, self.sizes.num_slots)
         self.scheduler = Scheduler(self.sizes, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
                                    max_seq_len=max_seq_len)
-        self.runner = Runner(step_for(model), self.sizes, decode_sizes=decode_buckets(max_batch_size),
-                             prefill_sizes=prefill_buckets(max_prefill_tokens), max_seqs_per_extend=max_batch_size)
+        self.runner = Runner(step_for(model), self.sizes, decode_sizes=decode_sizes,
+                             prefill_sizes=prefill_sizes, max_seqs_per_extend=max_batch_size)
         if warmup:
             self.runner.warmup(progress)
         self.eos_ids = frozenset(self.config.eos_token_id)
