@@ -243,7 +243,7 @@ def _kth_largest_key(count_ge, k):
 
 
 def _select_kernel(lens_ref, logit_ref, out_ref, gmax_ref, ckey_ref, cidx_ref, *, n_cols, topk, topk_pad, chunk,
-                   cap, interpret):
+                   cap, gmax_in_registers, interpret):
     def barrier():
         # Scratch written by some threads of the program is read back by others: order it on the GPU (the
         # interpreter runs a program sequentially and has no barrier primitive).
@@ -298,11 +298,21 @@ def _select_kernel(lens_ref, logit_ref, out_ref, gmax_ref, ckey_ref, cidx_ref, *
         lax.fori_loop(0, n_chunks, store_gmax, None)
         barrier()
 
-        def count_ge(mid):
-            return lax.fori_loop(
-                0, n_chunks,
-                lambda c, n: n + jnp.sum((gmax_ref[t, pl.ds(c * gchunk, gchunk)] >= mid).astype(jnp.int32)),
-                jnp.int32(0))
+        n_groups = n_cols // _GROUP
+        if n_groups <= gmax_in_registers and not n_groups & (n_groups - 1):
+            # The whole row of group maxima fits in registers: the 32 counting passes touch no memory (a loop
+            # over L2-resident chunks is bound by load latency, one dependent load + reduction per step).
+            lane = jnp.arange(n_groups, dtype=jnp.int32)
+            g = plgpu.load(gmax_ref.at[t, pl.ds(0, n_groups)], mask=lane < n_chunks * gchunk, other=_INT_MIN)
+
+            def count_ge(mid):
+                return jnp.sum((g >= mid).astype(jnp.int32))
+        else:
+            def count_ge(mid):
+                return lax.fori_loop(
+                    0, n_chunks,
+                    lambda c, n: n + jnp.sum((gmax_ref[t, pl.ds(c * gchunk, gchunk)] >= mid).astype(jnp.int32)),
+                    jnp.int32(0))
 
         return _kth_largest_key(count_ge, k_eff)
 
@@ -337,8 +347,8 @@ def _select_kernel(lens_ref, logit_ref, out_ref, gmax_ref, ckey_ref, cidx_ref, *
         select(row_chunk, n_chunks)
 
 
-def select_topk_pallas(logits, kv_lens, topk: int, *, n_rows: int | None = None, chunk: int = 4096,
-                       num_warps: int = 8, interpret: bool = False):
+def select_topk_pallas(logits, kv_lens, topk: int, *, n_rows: int | None = None, chunk: int = 2048,
+                       num_warps: int = 8, gmax_in_registers: int = 16384, interpret: bool = False):
     """Exact top-k positions of each row of float32 logits [R, N] among its first kv_lens[r] entries -> [n_rows,
     topk] int32, −1 padded. N must be a multiple of `chunk` (a power of two; smaller rows use one chunk)."""
     R, N = logits.shape
@@ -349,7 +359,7 @@ def select_topk_pallas(logits, kv_lens, topk: int, *, n_rows: int | None = None,
     topk_pad = _next_pow2(topk)
     cap = _GROUP * topk_pad
     kernel = functools.partial(_select_kernel, n_cols=N, topk=topk, topk_pad=topk_pad, chunk=chunk, cap=cap,
-                               interpret=interpret)
+                               gmax_in_registers=gmax_in_registers, interpret=interpret)
     out, *_ = pl.pallas_call(
         kernel,
         grid=(n_rows,),
@@ -365,7 +375,7 @@ def select_topk_pallas(logits, kv_lens, topk: int, *, n_rows: int | None = None,
 
 
 def indexer_topk_pallas(q, weights, k_cache, *, kv_lens, topk, page_table=None, seq_ids=None, k_scale=None,
-                        interpret=False, chunk: int = 4096, block_q: int | None = None):
+                        interpret=False, chunk: int = 2048, block_q: int | None = None):
     T = q.shape[0]
     k_cache_n, _, page_table_n, _ = _normalise_layout(k_cache, k_scale, page_table, seq_ids, T)
     n_keys = page_table_n.shape[1] * k_cache_n.shape[1]

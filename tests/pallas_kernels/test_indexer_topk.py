@@ -38,15 +38,15 @@ def assert_topk_valid(idx, scores, kv_lens, topk, tol=0.0):
         assert set(must.tolist()) <= set(sel.tolist()), f"row {t}: missed a key above the k-th score"
 
 
-@pytest.mark.parametrize("distinct", [True, False])
-def test_select_topk_matches_reference(distinct):
+@pytest.mark.parametrize("distinct,gmax_in_registers", [(True, 16384), (False, 16384), (True, 0)])
+def test_select_topk_matches_reference(distinct, gmax_in_registers):
     T, N, topk = 7, 128, 8
     x = jax.random.normal(jax.random.key(1), (T, N), jnp.float32)
     if not distinct:
         # Few distinct values: ties at the threshold overflow the 4k candidate buffer -> whole-row fallback.
         x = jnp.round(x * 0.7)
     kv_lens = jnp.array([128, 1, 0, 5, 8, 9, 100], jnp.int32)  # full, length 1, empty, shorter than k, = k, ...
-    got = select_topk_pallas(x, kv_lens, topk, chunk=32, interpret=True)
+    got = select_topk_pallas(x, kv_lens, topk, chunk=32, gmax_in_registers=gmax_in_registers, interpret=True)
     masked = jnp.where(jnp.arange(N) < kv_lens[:, None], x, -jnp.inf)
     ref = topk_reference(masked, kv_lens, topk)
     assert_topk_valid(got, masked, kv_lens, topk)

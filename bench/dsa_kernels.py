@@ -1,0 +1,339 @@
+"""DSA / MoE kernels on the GPU: correctness (`--check`) then timings, each kernel beside its XLA reference and the
+floor (bytes at 4.25 TB/s or FLOPs at 810 TFLOP/s, the H200 ceilings measured in ../shared/DESIGN.md).
+
+    PYTHONPATH=. python bench/dsa_kernels.py --check [--quick] [--log $OUT/dsa.log]
+
+Times: jitted call issued `n` times back to back then one block_until_ready, divided by n; median of 5 rounds.
+Prints one table per section; the last line is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.grouped_matmul import grouped_matmul_pallas, grouped_matmul_reference
+from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, indexer_topk_pallas,
+                                         quantize_index_k_fp8, select_topk_pallas, topk_reference)
+from pallas_kernels.sparse_mla_attention import sparse_mla_attention_pallas, sparse_mla_attention_reference
+
+HBM_BPS = 4.25e12
+MXU_FLOPS = 810e12
+ROWS: list[str] = []
+CTXS = [8192, 32768, 131072]
+LOG = None
+
+
+def say(*a):
+    line = " ".join(str(x) for x in a)
+    print(line, flush=True)
+    if LOG:
+        LOG.write(line + "\n")
+        LOG.flush()
+
+
+def timeit(f, *args, target_s=0.3):
+    """Median seconds per call of an already-jitted f (compiled on the first call, not timed)."""
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    one = time.perf_counter() - t0
+    n = int(min(max(target_s / max(one, 1e-6), 1), 200))
+    rounds = []
+    for _ in range(5 if one < 0.2 else 2):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        rounds.append((time.perf_counter() - t0) / n)
+    return float(np.median(rounds))
+
+
+def row(name, t_kernel, t_ref, floor_s, note=""):
+    line = (f"{name:<44} {t_kernel * 1e3:9.3f} ms  ref {t_ref * 1e3:9.3f} ms  x{t_ref / t_kernel:6.1f}  "
+            f"floor {floor_s * 1e3:8.3f} ms  {100 * floor_s / t_kernel:5.1f}% of floor  {note}")
+    ROWS.append(line)
+    say(line)
+
+
+def section(fn):
+    @functools.wraps(fn)
+    def run(*a, **k):
+        say(f"--- {fn.__name__}")
+        try:
+            fn(*a, **k)
+        except Exception:  # keep going: one broken section must not cost the rest of the device run
+            say(traceback.format_exc())
+            ROWS.append(f"{fn.__name__}: FAILED")
+    return run
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+def topk_errors(idx, scores, kv_lens, topk, tol):
+    idx, scores, kv_lens = np.asarray(idx), np.asarray(scores, np.float64), np.asarray(kv_lens)
+    bad = 0
+    for t in range(idx.shape[0]):
+        n_valid = min(int(kv_lens[t]), scores.shape[1])
+        k_eff = min(topk, n_valid)
+        r = idx[t]
+        sel = r[:k_eff]
+        ok = (r[k_eff:] == -1).all() and ((sel >= 0) & (sel < n_valid)).all() and len(set(sel.tolist())) == k_eff
+        if ok and k_eff:
+            v = scores[t, :n_valid]
+            kth = np.sort(v)[::-1][k_eff - 1]
+            ok = (v[sel] >= kth - tol).all() and set(np.nonzero(v > kth + tol)[0].tolist()) <= set(sel.tolist())
+        bad += not ok
+    return bad
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@section
+def check_select():
+    key = jax.random.key(0)
+    T, N, k = 64, 65536, 2048
+    x = jax.random.normal(key, (T, N))
+    lens = jax.random.randint(jax.random.key(1), (T,), 0, N + 1).at[:6].set(jnp.array([N, 1, 0, 100, 2048, 9000]))
+    for name, xx in [("random", x), ("ties", jnp.round(x * 2))]:
+        got = jax.jit(functools.partial(select_topk_pallas, topk=k))(xx, lens)
+        masked = jnp.where(jnp.arange(N) < lens[:, None], xx, -jnp.inf)
+        ref = topk_reference(masked, lens, k)
+        same = sum(set(np.asarray(got[t]).tolist()) == set(np.asarray(ref[t]).tolist()) for t in range(T))
+        bad = topk_errors(got, masked, lens, k, 0.0)
+        say(f"check select_topk {name}: rows equal as sets {same}/{T}, invalid rows {bad}")
+        assert bad == 0
+
+
+def paged_problem(key, T, S, ctx, Hi=64, D=128, page_size=64, dtype=jnp.bfloat16):
+    ks = jax.random.split(key, 4)
+    max_pages = ctx // page_size
+    num_pages = S * max_pages + 1
+    q = jax.random.normal(ks[0], (T, Hi, D), jnp.float32).astype(dtype)
+    w = jax.random.normal(ks[1], (T, Hi), jnp.float32) * (Hi * D) ** -0.5
+    k_cache = jax.random.normal(ks[2], (num_pages, page_size, D), jnp.float32).astype(dtype)
+    page_table = (jax.random.permutation(ks[3], num_pages - 1)[: S * max_pages] + 1).reshape(S, max_pages)
+    return q, w, k_cache, page_table.astype(jnp.int32)
+
+
+@section
+def check_indexer():
+    T, S, ctx, k = 96, 3, 8192, 2048
+    q, w, k_cache, pt = paged_problem(jax.random.key(2), T, S, ctx)
+    seq = jnp.array([0] * 64 + [1] * 31 + [2], jnp.int32)  # prefill chunk of seq 0, of seq 1, one decode of seq 2
+    lens = jnp.concatenate([jnp.arange(4000, 4064), jnp.arange(1, 32), jnp.array([8192])]).astype(jnp.int32)
+    kw = dict(kv_lens=lens, page_table=pt, seq_ids=seq)
+    ref_logits = index_logits_reference(q, w, k_cache, **kw)
+    got_logits = jax.jit(lambda *a: index_logits_pallas(*a, **kw))(q, w, k_cache)[:T]
+    e = rel_err(jnp.where(jnp.isfinite(ref_logits), got_logits, 0), jnp.where(jnp.isfinite(ref_logits), ref_logits, 0))
+    got = jax.jit(lambda *a: indexer_topk_pallas(*a, topk=k, **kw))(q, w, k_cache)
+    tol = 1e-4 * float(jnp.max(jnp.where(jnp.isfinite(ref_logits), jnp.abs(ref_logits), 0)))
+    bad = topk_errors(got, ref_logits, lens, k, tol)
+    say(f"check indexer bf16 paged: logits rel err {e:.2e}, invalid top-k rows {bad}/{T}")
+    k8, sc = quantize_index_k_fp8(k_cache)
+    ref8 = index_logits_reference(q, w, k8, k_scale=sc, **kw)
+    got8 = jax.jit(lambda *a: indexer_topk_pallas(*a, k_scale=sc, topk=k, **kw))(q, w, k8)
+    tol8 = 1e-4 * float(jnp.max(jnp.where(jnp.isfinite(ref8), jnp.abs(ref8), 0)))
+    bad8 = topk_errors(got8, ref8, lens, k, tol8)
+    valid = jnp.isfinite(ref_logits)
+    e8 = float(jnp.max(jnp.abs(jnp.where(valid, ref8 - ref_logits, 0)))) / float(jnp.max(jnp.where(valid, jnp.abs(ref_logits), 0)))
+    say(f"check indexer fp8 paged: invalid top-k rows {bad8}/{T}; fp8 vs bf16 max score err {e8:.3f} of max |score|")
+    assert bad == 0 and bad8 == 0 and e < 1e-4
+
+
+@section
+def check_sparse_mla():
+    T, H, rows, k = 16, 128, 65536, 2048
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (T, H, 576)).astype(jnp.bfloat16)
+    cache = jax.random.normal(ks[1], (rows // 64, 64, 576)).astype(jnp.bfloat16)
+    idx = jax.random.randint(ks[2], (T, k), 0, rows).astype(jnp.int32)
+    idx = idx.at[1, 100:].set(-1).at[2].set(-1).at[3, ::2].set(-1)
+    for opts in [dict(), dict(block_h=64, num_warps=8)]:
+        got = jax.jit(lambda *a: sparse_mla_attention_pallas(*a, scale=576 ** -0.5, **opts))(q, cache, idx)
+        ref = sparse_mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), idx, scale=576 ** -0.5)
+        e = rel_err(got.astype(jnp.float32), ref)
+        say(f"check sparse_mla {opts}: rel err {e:.2e}, empty row zero {bool(jnp.all(got[2] == 0))}")
+        assert e < 2e-2 and bool(jnp.all(got[2] == 0))
+
+
+@section
+def check_gmm():
+    M, K, N, E = 4096, 1024, 960, 32
+    ks = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(ks[0], (M, K)).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (E, K, N)) * K ** -0.5).astype(jnp.bfloat16)
+    sizes = jax.random.randint(ks[2], (E,), 0, 200).at[3].set(0).at[4].set(0).astype(jnp.int32)
+    total = int(sizes.sum())
+    got = jax.jit(grouped_matmul_pallas)(x, w, sizes)
+    ref = lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes, precision=lax.Precision.HIGHEST)
+    e = rel_err(got.astype(jnp.float32), ref)
+    tail_zero = bool(jnp.all(got[total:] == 0))
+    say(f"check grouped_matmul: rel err {e:.2e} (total {total} of {M} rows), tail zero {tail_zero}")
+    assert e < 1e-2 and tail_zero
+
+
+# ------------------------------------------------------------------------------------------------- timings
+
+@section
+def bench_select(quick):
+    T, N, k = 4096, 65536, 2048
+    x = jax.random.normal(jax.random.key(5), (T, N))
+    lens = jnp.full((T,), N, jnp.int32)
+    t_ref = timeit(jax.jit(lambda x: lax.top_k(x, k)[1]), x)
+    floor = T * N * 4 / HBM_BPS
+    for opts in ([dict()] if quick else [dict(), dict(gmax_in_registers=0), dict(chunk=4096, num_warps=16)]):
+        f = jax.jit(lambda x, l: select_topk_pallas(x, l, k, **opts))
+        row(f"select top-2048 4096x65536 {opts}", timeit(f, x, lens), t_ref, floor, "ref = lax.top_k")
+
+
+def xla_indexer(q, w, k_seq, kv_lens, topk, chunk=64):
+    """XLA comparator that fits memory at 128k: queries in chunks, bf16 dots, float32 logits, lax.top_k."""
+    T = q.shape[0]
+
+    def one(args):
+        qc, wc, kc, lc = args  # kc: [chunk, N, D] or shared [N, D]
+        eq = "thd,nd->thn" if kc.ndim == 2 else "thd,tnd->thn"
+        s = jnp.einsum(eq, qc, kc, preferred_element_type=jnp.float32)
+        lg = jnp.einsum("thn,th->tn", jax.nn.relu(s), wc)
+        lg = jnp.where(jnp.arange(lg.shape[1]) < lc[:, None], lg, -jnp.inf)
+        return lax.top_k(lg, topk)[1]
+
+    if k_seq.ndim == 2:
+        c = min(chunk, T)
+        r = lax.map(lambda a: one((a[0], a[1], k_seq, a[2])),
+                    (q.reshape(T // c, c, *q.shape[1:]), w.reshape(T // c, c, -1), kv_lens.reshape(T // c, c)))
+        return r.reshape(T, topk)
+    return one((q, w, k_seq, kv_lens))
+
+
+@section
+def bench_indexer(quick):
+    k, Hi, D = 2048, 64, 128
+    cases = [("decode", 1), ("decode", 32), ("prefill", 2048)]
+    ctxs = CTXS
+    for ctx in ctxs:
+        for kind, T in cases:
+            S = T if kind == "decode" else 1
+            q, w, k_cache, pt = paged_problem(jax.random.key(ctx + T), T, S, ctx)
+            if kind == "decode":
+                seq = jnp.arange(T, dtype=jnp.int32)
+                lens = jnp.full((T,), ctx, jnp.int32)
+                keys_read = T * ctx
+                flops = 2 * T * Hi * D * ctx
+            else:
+                seq = jnp.zeros((T,), jnp.int32)
+                lens = (ctx - T + 1 + jnp.arange(T)).astype(jnp.int32)  # the last 2k-token chunk of the context
+                keys_read = ctx
+                flops = 2 * Hi * D * int(lens.sum())
+            kw = dict(kv_lens=lens, page_table=pt, seq_ids=seq)
+            f = jax.jit(lambda q, w, kc: indexer_topk_pallas(q, w, kc, topk=k, **kw))
+            t_k = timeit(f, q, w, k_cache)
+            k_seq = k_cache[pt].reshape(S, ctx, D)
+            k_seq = k_seq[0] if kind == "prefill" else k_seq
+            t_r = timeit(jax.jit(lambda q, w, ks: xla_indexer(q, w, ks, lens, k)), q, w, k_seq)
+            bytes_ = keys_read * D * 2 + T * Hi * D * 2 + T * k * 4
+            floor = max(bytes_ / HBM_BPS, flops / MXU_FLOPS)
+            row(f"indexer bf16 {kind} T={T} ctx={ctx}", t_k, t_r, floor, "ref = XLA logits + lax.top_k")
+            if kind == "decode" and T == 32:
+                k8, sc = quantize_index_k_fp8(k_cache)
+                f8 = jax.jit(lambda q, w, kc, s: indexer_topk_pallas(q, w, kc, k_scale=s, topk=k, **kw))
+                floor8 = max((keys_read * (D + 4) + T * Hi * D * 2 + T * k * 4) / HBM_BPS, flops / MXU_FLOPS)
+                row(f"indexer fp8  {kind} T={T} ctx={ctx}", timeit(f8, q, w, k8, sc), t_r, floor8,
+                    "ref = XLA bf16")
+
+
+@section
+def bench_sparse_mla(quick):
+    H, k, rows = 128, 2048, 1 << 18
+    cache = jax.random.normal(jax.random.key(6), (rows // 64, 64, 576)).astype(jnp.bfloat16)
+    for B in [1, 32, 128]:
+        q = jax.random.normal(jax.random.key(B), (B, H, 576)).astype(jnp.bfloat16)
+        idx = jax.random.randint(jax.random.key(B + 1), (B, k), 0, rows).astype(jnp.int32)
+        t_r = timeit(jax.jit(lambda q, c, i: sparse_mla_attention_reference(q, c, i, scale=0.04)), q, cache, idx)
+        floor = (B * k * 576 * 2 + B * H * 576 * 2 + B * H * 512 * 2 + B * k * 4) / HBM_BPS
+        for opts in ([dict()] if quick else [dict(), dict(num_stages=2), dict(num_stages=3, block_k=16)]):
+            f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
+            row(f"sparse MLA decode B={B} {opts}", timeit(f, q, cache, idx), t_r, floor, "ref = XLA gather+einsum")
+
+
+def routed_sizes(key, tokens, E, topk):
+    """Group sizes of random top-k routing (each token picks topk distinct experts)."""
+    choice = jax.vmap(lambda kk: jax.random.choice(kk, E, (topk,), replace=False))(jax.random.split(key, tokens))
+    return jnp.bincount(choice.reshape(-1), length=E).astype(jnp.int32)
+
+
+@section
+def bench_gmm(quick):
+    shapes = [("DeepSeek 256x8 K7168 N2048", 256, 8, 7168, 2048), ("Nemotron-30B 128x6 K2688 N1856", 128, 6, 2688, 1856)]
+    for name, E, topk, K, N in shapes:
+        w = (jax.random.normal(jax.random.key(7), (E, K, N)) * K ** -0.5).astype(jnp.bfloat16)
+        for tokens in [2048, 16384]:
+            M = tokens * topk
+            x = jax.random.normal(jax.random.key(tokens), (M, K)).astype(jnp.bfloat16)
+            sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
+            flops = 2 * M * K * N
+            floor = max(flops / MXU_FLOPS, (E * K * N + M * K + M * N) * 2 / HBM_BPS)  # weights read once
+            # XLA's ragged_dot materialises an [E, M, K] operand: 448 GiB at 16k tokens (out of memory on the
+            # H200), so it is timed at 2k tokens only.
+            t_r = timeit(jax.jit(grouped_matmul_reference), x, w, sizes, target_s=0.05) if tokens <= 2048 \
+                else float("nan")
+            t_d = timeit(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)),
+                         x, w[0])
+            say(f"  dense [{M}x{K}]@[{K}x{N}] bf16: {t_d * 1e3:.3f} ms = {flops / t_d / 1e12:.0f} TFLOP/s; "
+                f"ragged_dot {flops / t_r / 1e12:.1f} TFLOP/s")
+            variants = [dict()] if quick else [dict(), dict(block_n=256, num_warps=8, num_stages=3),
+                                               dict(num_warps=8, num_stages=3)]
+            for opts in variants:
+                f = jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, **opts))
+                t_k = timeit(f, x, w, sizes)
+                row(f"gmm {name} tok={tokens} {opts}", t_k, t_r, floor,
+                    f"{flops / t_k / 1e12:.0f} TFLOP/s = {100 * t_d / t_k:.0f}% of dense")
+
+
+def main():
+    global LOG
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="one variant and one context per section")
+    ap.add_argument("--only", default="", help="comma list of sections: select,indexer,mla,gmm")
+    ap.add_argument("--log", default=None)
+    ap.add_argument("--ctx", default="8192,32768,131072", help="indexer contexts")
+    args = ap.parse_args()
+    CTXS[:] = [int(c) for c in args.ctx.split(",")]
+    if args.log:
+        LOG = open(args.log, "w")
+    say(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    only = set(filter(None, args.only.split(",")))
+    want = lambda s: not only or s in only  # noqa: E731
+    if args.check:
+        for name, fn in [("select", check_select), ("indexer", check_indexer), ("mla", check_sparse_mla),
+                         ("gmm", check_gmm)]:
+            if want(name):
+                fn()
+    if want("select"):
+        bench_select(args.quick)
+    if want("gmm"):
+        bench_gmm(args.quick)
+    if want("mla"):
+        bench_sparse_mla(args.quick)
+    if want("indexer"):
+        bench_indexer(args.quick)
+    say("\n=== summary")
+    for r in ROWS:
+        say(r)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
