@@ -168,3 +168,22 @@ def test_streaming_yields_every_token_then_the_final_output(dense):
         if out.finished:
             assert out.token_ids == final[out.index].token_ids
     assert [seen[0], seen[1]] == [o.token_ids for o in final]
+
+
+def test_text_prompts_use_the_checkpoint_tokenizer(dense, tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf_model, path, _ = dense
+    vocab = {f"w{i}": i for i in range(97)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory = shutil.copytree(path, tmp_path / "with_tokenizer")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    llm = jaxmodels.LLM(directory, dtype="float32", max_batch_size=1, max_seq_len=32, max_prefill_tokens=8,
+                        warmup=False, progress=False)
+    (out,) = llm.generate(["w5 w17 w40 w8"], GREEDY)
+    assert out.prompt_token_ids == [5, 17, 40, 8]
+    assert out.token_ids == hf_greedy(hf_model, [5, 17, 40, 8])
+    assert out.text == tokenizer.decode(out.token_ids)
