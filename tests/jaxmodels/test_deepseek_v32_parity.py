@@ -100,3 +100,19 @@ def test_batch_rows_are_independent(checkpoint):
     for row in range(3):
         alone = np.asarray(model(input_ids[row : row + 1]))
         np.testing.assert_allclose(batched[row], alone[0], rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+
+
+def test_in_memory_and_converted_models_match(tmp_path):
+    """`from_torch` reads transformers' in-memory layout (experts fused as `gate_up_proj`, unlike the per-expert
+    tensors `save_pretrained` writes), and the orbax-converted copy restores the same params."""
+    from bridge import from_torch, save_converted
+
+    hf_model = make_dsa("glm_moe_dsa")
+    model = Jitted(jaxmodels.load_model(save(hf_model, tmp_path / "saved"), progress=False))
+    assert any(name.endswith("experts.gate_up_proj") for name in hf_model.state_dict())
+    input_ids = random_ids(hf_model, 2, 9)
+    expected = model(input_ids)
+    np.testing.assert_array_equal(Jitted(from_torch(hf_model, progress=False))(input_ids), expected)
+    converted = tmp_path / "converted"
+    save_converted(from_torch(hf_model, progress=False), converted, hf_model.config.to_dict())
+    np.testing.assert_array_equal(Jitted(jaxmodels.load_model(converted, progress=False))(input_ids), expected)
