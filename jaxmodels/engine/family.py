@@ -1,9 +1,10 @@
 """Per-family step code the engine plugs in: an object with `params`, `cache_shapes(PoolSizes)`,
 `extend(params, caches, batch)` and `decode(params, caches, batch)` (see nemotron_h_step.py)."""
 
+from jaxmodels.engine.dsa_step import DSAStep
 from jaxmodels.engine.nemotron_h_step import NemotronHStep
 
-STEP_CLASSES = {"nemotron_h": NemotronHStep}
+STEP_CLASSES = {"nemotron_h": NemotronHStep, "deepseek_v32": DSAStep, "glm_moe_dsa": DSAStep}
 
 
 def step_for(model):

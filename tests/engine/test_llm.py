@@ -13,7 +13,7 @@ import torch
 
 import jaxmodels
 from jaxmodels import SamplingParams
-from tests.hf_models import make_nemotron_h, save
+from tests.hf_models import make_dsa, make_nemotron_h, save
 
 LIMITS = dict(max_batch_size=4, max_seq_len=64, max_prefill_tokens=8, progress=False)
 PROMPT_LENGTHS = [1, 3, 8, 13, 27]  # five prompts for four slots: one joins as another finishes
@@ -58,6 +58,18 @@ def test_greedy_matches_transformers(served):
         assert out.token_ids == expected, f"prompt of {len(prompt)} tokens"
         assert out.finish_reason == ("stop" if expected[-1] == 2 and len(expected) < NEW_TOKENS else "length")
         assert out.prompt_token_ids == prompt
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_greedy_matches_transformers(variant, tmp_path):
+    """DSA models through the same engine. index_topk is 6 in these checkpoints, so every prompt longer than that
+    attends sparsely, through keys its indexer picked from the paged index-key cache."""
+    hf_model = make_dsa(variant)
+    path = save(hf_model, tmp_path / variant)
+    llm = jaxmodels.LLM(path, dtype="float32", **{**LIMITS, "warmup": False})
+    prompts = random_prompts(PROMPT_LENGTHS, vocab=hf_model.config.vocab_size)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert out.token_ids == hf_greedy(hf_model, prompt), f"prompt of {len(prompt)} tokens"
 
 
 def test_request_alone_equals_request_in_padded_batches(dense):
