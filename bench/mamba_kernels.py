@@ -223,11 +223,9 @@ def scan_bytes(T, S, H, P, N, G):
 
 
 def tune(rows):
-    variants = [dict(block_t=64, block_p=64, num_warps=4, num_stages=2),
-                dict(block_t=64, block_p=128, num_warps=4, num_stages=2),
-                dict(block_t=64, block_p=64, num_warps=8, num_stages=2),
-                dict(block_t=128, block_p=64, num_warps=8, num_stages=2),
-                dict(block_t=64, block_p=32, num_warps=4, num_stages=2)]
+    # First run (2026-11-30): block_p 32/64/128 x warps 4/8 x block_t 64/128 at stages 2 -> `_default_block_p`,
+    # 4 warps, block_t 64. These variants probe the pipelining depth and a shorter block around that default.
+    variants = [dict(), dict(num_stages=1), dict(num_stages=3), dict(block_t=32), dict(block_t=32, num_warps=2)]
     key = jax.random.PRNGKey(2)
     for name, sh in SHAPES.items():
         for S in (1, 16):
@@ -242,11 +240,33 @@ def tune(rows):
                     log(f"tune scan {name} S={S} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
-def table(rows, Ts, batches=(1, 64, 256)):
+def tune_conv(rows):
+    from pallas_kernels.causal_conv1d_pallas import causal_conv1d_pallas
+
+    sh = SHAPES["nano9b"]
+    Cd = sh["H"] * sh["P"] + 2 * sh["G"] * sh["N"]
+    k1, k2 = jax.random.split(jax.random.PRNGKey(4))
+    x = jax.random.normal(k1, (8192, Cd)).astype(jnp.bfloat16)
+    w = jax.random.normal(k2, (Cd, K)).astype(jnp.bfloat16)
+    b = jnp.zeros((Cd,), jnp.bfloat16)
+    cu = jnp.asarray([0, 8192], jnp.int32)
+    for v in (dict(block_t=64, block_c=256, num_warps=4), dict(block_t=128, block_c=256, num_warps=4),
+              dict(block_t=64, block_c=512, num_warps=4), dict(block_t=128, block_c=512, num_warps=8),
+              dict(block_t=32, block_c=1024, num_warps=8)):
+        try:
+            f = jax.jit(lambda x, v=v: causal_conv1d_pallas(x, w, b, cu_seqlens=cu, **v))
+            t = time_fn(lambda x: (f(x), None), lambda: (x,))
+            log(f"tune conv nano9b T=8192 S=1 {v}: {t * 1e6:.0f} us")
+            rows.append(dict(kind="tune_conv", variant=v, us=t * 1e6))
+        except Exception as e:  # noqa: BLE001
+            log(f"tune conv {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+
+
+def table(rows, Ts, batches=(1, 64, 256), kernels=("scan", "decode", "conv", "conv_update")):
     key = jax.random.PRNGKey(3)
     for name, sh in SHAPES.items():
         H, P, N, G = sh["H"], sh["P"], sh["N"], sh["G"]
-        for T in Ts:
+        for T in (Ts if "scan" in kernels else ()):
             for S in (1, 16):
                 inp = scan_inputs(key, T, H, P, N, G, S)
                 nbytes = scan_bytes(T, S, H, P, N, G)
@@ -259,7 +279,7 @@ def table(rows, Ts, batches=(1, 64, 256)):
                         log(f"scan {name} T={T} S={S} {impl} FAILED {type(e).__name__}: {str(e)[:300]}")
                 add_row(rows, "ssd_chunk_scan", name, f"T={T} S={S}", res, nbytes,
                         MAMBA_SSM_US.get(("scan", name, T, S)))
-        for Bsz in batches:
+        for Bsz in (batches if "decode" in kernels else ()):
             nbytes = 2 * Bsz * H * P * N * 4 + 2 * (2 * Bsz * H * P + Bsz * H + 2 * Bsz * G * N)
             res = {}
             for impl in ("pallas", "xla"):
@@ -276,7 +296,7 @@ def table(rows, Ts, batches=(1, 64, 256)):
                     log(f"decode {name} B={Bsz} {impl} FAILED {type(e).__name__}: {str(e)[:300]}")
             add_row(rows, "ssd_state_update", name, f"B={Bsz}", res, nbytes, MAMBA_SSM_US.get(("decode", name, Bsz)))
         Cd = H * P + 2 * G * N
-        for T in Ts:
+        for T in (Ts if "conv" in kernels else ()):
             for S in (1, 16):
                 k1, k2 = jax.random.split(jax.random.fold_in(key, T))
                 x = jax.random.normal(k1, (T, Cd)).astype(jnp.bfloat16)
@@ -293,7 +313,7 @@ def table(rows, Ts, batches=(1, 64, 256)):
                     except Exception as e:  # noqa: BLE001
                         log(f"conv {name} T={T} {impl} FAILED {type(e).__name__}: {str(e)[:300]}")
                 add_row(rows, "causal_conv1d", name, f"T={T} S={S}", res, nbytes, None)
-        for Bsz in batches[1:]:
+        for Bsz in (batches[1:] if "conv_update" in kernels else ()):
             res = {}
             nbytes = 2 * (2 * Bsz * Cd * (K - 1) + 2 * Bsz * Cd)
             for impl in ("pallas", "xla"):
@@ -332,6 +352,7 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--kernels", default="scan,decode,conv,conv_update", help="table rows to time")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     global INTERPRET
@@ -344,9 +365,10 @@ def main():
             ok = check()
         if a.tune:
             tune(rows)
+            tune_conv(rows)
         log("| kernel | shape | size | pallas µs | XLA ref µs | speedup | pallas TB/s (% of 4.25) | mamba_ssm µs (issue) |")
         log("|---|---|---|---|---|---|---|---|")
-        table(rows, (2048, 8192) if a.quick else (2048, 8192, 32768))
+        table(rows, (2048, 8192) if a.quick else (2048, 8192, 32768), kernels=a.kernels.split(","))
     except Exception:  # noqa: BLE001 - keep what was measured
         log(traceback.format_exc())
         ok = False
