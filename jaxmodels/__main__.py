@@ -1,6 +1,7 @@
 """Command line: `python -m jaxmodels demo` and `python -m jaxmodels generate --model PATH --prompt "..."`."""
 
 import argparse
+import logging
 
 
 def generate(args) -> None:
@@ -38,6 +39,9 @@ def main(argv=None) -> None:
     gen.add_argument("--dtype", default="bfloat16")
     gen.add_argument("--max-seq-len", type=int, default=4096)
     args = parser.parse_args(argv)
+    # The engine logs its pool sizes and warm-up at INFO; show those (and nothing of other libraries' INFO).
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("jaxmodels").setLevel(logging.INFO)
     if args.command == "demo":
         from jaxmodels.demo import run_demo
 
