@@ -13,6 +13,12 @@ def sample(logits, temperature, top_k, top_p, seed, step):
     """logits[B,V] float32; temperature/top_p float32[B]; top_k int32[B] (<= 0: off); seed uint32[B];
     step int32[B] -> int32[B]. temperature 0 means greedy."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The vocabulary sort below costs real time at 100k+ tokens; an all-greedy batch skips it.
+    return jax.lax.cond(jnp.any(temperature > 0), _sample_rows, lambda *args: greedy,
+                        logits, temperature, top_k, top_p, seed, step, greedy)
+
+
+def _sample_rows(logits, temperature, top_k, top_p, seed, step, greedy):
     vocab = logits.shape[-1]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     # One descending sort serves both filters: top-k keeps ranks < k, top-p keeps the smallest prefix whose
