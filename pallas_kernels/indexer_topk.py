@@ -28,7 +28,8 @@ Pallas path (two kernels, Triton lowering, `interpret=True` on CPU):
      longest row. Writes float32 logits `[T, Npad]`.
   2. `_select_topk`: one program per row; an exact selection without sorting:
      a. pass over the row: order-preserving int32 keys, max over groups of G=4 keys -> `gmax` (scratch);
-     b. binary search (32 counting passes over `gmax`, N/4 values) for the k-th largest group max `t_lo`. At
+     b. binary search (32 counting passes over `gmax`, N/4 values, held in registers when N/4 <= 16384, else
+        re-read from L2 chunk by chunk) for the k-th largest group max `t_lo`. At
         least k groups hold a key >= t_lo, so the k-th largest key is >= t_lo, and keys >= t_lo sit in at most
         ~k groups: at most 4k candidates (more only with ties at t_lo);
      c. second pass over the row compacts candidates (key, position) with a prefix sum into a 4k scratch;
