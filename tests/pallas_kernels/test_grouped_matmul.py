@@ -70,3 +70,15 @@ def test_grouped_matmul_lowers_to_triton():
     export.export(jax.jit(lambda x, w, g: grouped_matmul(x, w, g, impl="pallas")), platforms=["cuda"],
                   disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         S((4096, 2688), jnp.bfloat16), S((128, 2688, 1856 // 2), jnp.bfloat16), S((128,), jnp.int32))
+
+
+@pytest.mark.gpu
+def test_grouped_matmul_on_gpu():
+    M, K, N, E = 1000, 512, 640, 8
+    x = jax.random.normal(jax.random.key(4), (M, K)).astype(jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(5), (E, K, N)) * K ** -0.5).astype(jnp.bfloat16)
+    sizes = jnp.array([100, 0, 250, 3, 0, 400, 7, 0], jnp.int32)  # 760 of 1000 rows
+    want = numpy_grouped(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
+    got = np.asarray(grouped_matmul(x, w, sizes, impl="pallas"), np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    assert (got[760:] == 0).all()

@@ -149,3 +149,19 @@ def test_kernels_lower_to_triton_at_deepseek_shapes():
                                                     topk=2048, impl="pallas"),
         S((64, 64, 128), jnp.bfloat16), S((64, 64), jnp.float32), S((512, 64, 128), jnp.float8_e4m3fn),
         S((512, 64), jnp.float32), S((2, 256), jnp.int32), S((64,), jnp.int32), S((64,), jnp.int32))
+
+
+@pytest.mark.gpu
+def test_indexer_topk_on_gpu():
+    """The compiled (Triton) kernels on DeepSeek shapes; bench/dsa_kernels.py --check runs the same on the H200."""
+    Hi, D, page_size, max_pages, topk, T = 64, 128, 64, 64, 2048, 16
+    q, w, k_cache, page_table = _paged_problem(jax.random.key(8), T=T, Hi=Hi, D=D, page_size=page_size,
+                                               max_pages=max_pages, num_pages=2 * max_pages + 1,
+                                               dtype=jnp.bfloat16)
+    seq_ids = jnp.array([0] * 8 + [1] * 8, jnp.int32)
+    kv_lens = jnp.array([4096 - i * 300 for i in range(8)] + [1, 5, 2048, 2049, 3000, 4096, 100, 0], jnp.int32)
+    kw = dict(kv_lens=kv_lens, page_table=page_table, seq_ids=seq_ids)
+    logits = index_logits_reference(q, w, k_cache, **kw)
+    got = indexer_topk(q, w, k_cache, topk=topk, impl="pallas", **kw)
+    tol = 1e-4 * float(jnp.max(jnp.where(jnp.isfinite(logits), jnp.abs(logits), 0)))
+    assert_topk_valid(got, logits, kv_lens, topk, tol=tol)

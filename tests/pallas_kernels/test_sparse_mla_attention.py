@@ -4,6 +4,7 @@ same indices, built here from scratch."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels import logical_to_cache_rows, sparse_mla_attention
 
@@ -79,3 +80,13 @@ def test_sparse_mla_lowers_to_triton():
                   platforms=["cuda"],
                   disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32))
+
+
+@pytest.mark.gpu
+def test_sparse_mla_on_gpu():
+    q, cache, idx = _problem(jax.random.key(2), T=4, H=128, dl=512, dr=64, num_pages=64, page_size=64, topk=2048)
+    qb, cb = q.astype(jnp.bfloat16), cache.astype(jnp.bfloat16)
+    want = dense_masked_attention(qb.astype(jnp.float32), cb.astype(jnp.float32), idx, 0.04, 512)
+    got = sparse_mla_attention(qb, cb, idx, scale=0.04, impl="pallas")
+    err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+    assert err < 2e-2
