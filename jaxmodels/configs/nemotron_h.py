@@ -94,7 +94,9 @@ class NemotronHConfig:
             mlp_bias=raw.get("mlp_bias", False),
             time_step_min=pop_alias(raw, "time_step_min", "mamba_dt_min", default=0.001),
             layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # transformers' NemotronH never ties its LM head to the embedding, whatever the flag says (its
+            # `_tied_weights_keys` is empty): `lm_head.weight` is always its own tensor. Follow it, for parity.
+            tie_word_embeddings=False,
             n_routed_experts=pop_alias(raw, "n_routed_experts", "num_local_experts", default=0),
             num_experts_per_tok=raw.get("num_experts_per_tok", 0),
             moe_intermediate_size=raw.get("moe_intermediate_size", 0),

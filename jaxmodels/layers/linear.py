@@ -21,6 +21,13 @@ def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, bias: bool = 
     )
 
 
+def lm_logits(hidden, embedding: nnx.Embed, lm_head: nnx.Linear | None):
+    """float32 logits from the LM head, or from the input embedding when the two are tied (no head)."""
+    if lm_head is None:
+        return embedding.attend(hidden).astype(jnp.float32)
+    return lm_head(hidden).astype(jnp.float32)
+
+
 def relu2(x):
     """Squared ReLU, the activation of Nemotron-H MLPs and experts."""
     return jnp.square(jnp.maximum(x, 0))

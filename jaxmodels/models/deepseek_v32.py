@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmodels.configs.deepseek_v32 import DeepseekV32Config
-from jaxmodels.layers.linear import linear
+from jaxmodels.layers.linear import linear, lm_logits
 from jaxmodels.layers.mla import MLAttention
 from jaxmodels.layers.mlp import GatedMLP
 from jaxmodels.layers.moe import MoE
@@ -70,9 +70,7 @@ class DeepseekV32ForCausalLM(nnx.Module):
             self.lm_head = linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+        return lm_logits(hidden, self.embed_tokens, None if self.config.tie_word_embeddings else self.lm_head)
 
     def __call__(self, input_ids: jax.Array, *, mla_path: str = "absorbed") -> jax.Array:
         """int32[B, T] -> float32[B, T, V]: full causal forward, no cache.

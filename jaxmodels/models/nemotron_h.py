@@ -14,7 +14,7 @@ from jaxmodels.layers.attention import GQAAttention
 from jaxmodels.layers.mamba2 import Mamba2Mixer
 from jaxmodels.layers.mlp import MLP
 from jaxmodels.layers.moe import MoE
-from jaxmodels.layers.linear import linear
+from jaxmodels.layers.linear import linear, lm_logits
 from jaxmodels.layers.norms import RMSNorm
 
 
@@ -67,9 +67,7 @@ class NemotronHForCausalLM(nnx.Module):
             self.lm_head = linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        if self.config.tie_word_embeddings:
-            return self.embeddings.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+        return lm_logits(hidden, self.embeddings, None if self.config.tie_word_embeddings else self.lm_head)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         """int32[B,T] -> float32[B,T,V]: full causal forward, no cache."""

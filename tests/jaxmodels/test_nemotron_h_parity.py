@@ -47,3 +47,12 @@ def test_batch_rows_are_independent(checkpoint):
     for row in range(3):
         alone = np.asarray(model(input_ids[row : row + 1]))
         np.testing.assert_allclose(batched[row], alone[0], rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+
+
+def test_tie_word_embeddings_flag_is_ignored_like_transformers(tmp_path):
+    """transformers' NemotronH keeps a separate LM head even when the config asks for tied embeddings."""
+    hf_model = make_nemotron_h("dense", seed=4, tie_word_embeddings=True, hybrid_override_pattern="M*M")
+    assert hf_model.lm_head.weight.data_ptr() != hf_model.model.embeddings.weight.data_ptr()
+    model = jaxmodels.load_model(save(hf_model, tmp_path), progress=False)
+    input_ids = np.random.default_rng(1).integers(0, hf_model.config.vocab_size, size=(2, 11))
+    assert relative_error(model(input_ids), logits_of(hf_model, input_ids).numpy()) < TOLERANCE
