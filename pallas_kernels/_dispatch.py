@@ -20,3 +20,12 @@ def resolve_impl(impl: str, interpret: bool = False) -> str:
     if impl == "auto":
         return "pallas" if (on_gpu() or interpret) else "xla"
     return impl
+
+
+def dot_precision(dtype):
+    """Matmul precision inside kernels: exact float32 for float32 operands, the native one otherwise.
+
+    On the GPU a float32 dot defaults to TF32 (about 1e-3 relative); float32 models are run for parity with
+    transformers, so their kernels must not silently drop to TF32.
+    """
+    return jax.lax.Precision.HIGHEST if jax.numpy.dtype(dtype) == jax.numpy.float32 else jax.lax.Precision.DEFAULT

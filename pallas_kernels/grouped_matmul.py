@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import resolve_impl
+from ._dispatch import dot_precision, resolve_impl
 
 
 def grouped_matmul_reference(x, w, group_sizes):
@@ -79,7 +79,7 @@ def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *
             xt = plgpu.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=(rows < M)[:, None], other=0)
             wt = plgpu.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=(cols < N)[None, :],
                             other=0)
-            return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32, precision=dot_precision(xt.dtype))
 
         acc = lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype),

@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import resolve_impl
+from ._dispatch import dot_precision, resolve_impl
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -172,7 +172,8 @@ def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, 
             q = q_ref[t, :, :]
             if q.dtype != k_tile.dtype:
                 q = q.astype(k_tile.dtype)
-            scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                     precision=dot_precision(k_tile.dtype))
             w = w_ref[t, :].astype(jnp.float32)
             row = jnp.sum(jnp.maximum(scores, 0.0) * w[:, None], axis=0) * k_scale
             o_ref[t, pl.ds(j0, block_kv)] = jnp.where(pos < lens[i], row, -jnp.inf)

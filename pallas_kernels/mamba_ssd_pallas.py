@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels._dispatch import dot_precision
 
 _f32 = jnp.float32
 
@@ -143,8 +144,7 @@ def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, *, dt_so
     BN = max(_next_pow2(N), 16)
     BT = block_t
     compute_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else _f32
-    # float32 inputs ask for IEEE float32 products (Triton would otherwise use TF32, ~1e-3 relative).
-    precision = lax.Precision.DEFAULT if compute_dtype == jnp.bfloat16 else lax.Precision.HIGHEST
+    precision = dot_precision(compute_dtype)
     has_init = initial_states is not None
     kernel = functools.partial(
         _ssd_kernel, num_seqs=S, num_tokens=T, P=P, N=N, R=H // G, BT=BT, BP=BP, BN=BN, npb=npb,

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import resolve_impl
+from ._dispatch import dot_precision, resolve_impl
 
 
 def logical_to_cache_rows(indices, page_table, seq_ids, page_size: int):
@@ -73,8 +73,9 @@ def _sparse_mla_kernel(idx_ref, q_ref, kv_ref, o_ref, *, scale, dl, dr, block_h,
         rows = jnp.where(valid, idx, 0)[:, None]
         kv = plgpu.load(kv_ref.at[rows, cols_l])  # [BK, Dl] gathered latent rows
         kr = plgpu.load(kv_ref.at[rows, cols_r])  # [BK, Dr]
-        s = lax.dot_general(q_nope, kv, nt, preferred_element_type=jnp.float32)
-        s = s + lax.dot_general(q_rope, kr, nt, preferred_element_type=jnp.float32)
+        s = lax.dot_general(q_nope, kv, nt, preferred_element_type=jnp.float32, precision=dot_precision(kv.dtype))
+        s = s + lax.dot_general(q_rope, kr, nt, preferred_element_type=jnp.float32,
+                                precision=dot_precision(kr.dtype))
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # Keep exp() finite while every key seen so far is masked (m_new = -inf).
@@ -82,7 +83,8 @@ def _sparse_mla_kernel(idx_ref, q_ref, kv_ref, o_ref, *, scale, dl, dr, block_h,
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32,
+                                             precision=dot_precision(kv.dtype))
         return m_new, l, acc
 
     init = (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32),
