@@ -9,17 +9,36 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve_impl(impl: str, interpret: bool = False) -> str:
+def resolve_impl(impl: str, interpret: bool = False, unsupported: str | None = None) -> str:
     """Return "pallas" or "xla" for a requested `impl`.
 
     `auto` picks the kernel on GPU; on CPU it picks the XLA reference unless `interpret=True` asks for the Pallas
     kernel in interpret mode (that is how CPU tests exercise the kernel bodies).
+
+    `unsupported` is the kernel's reason why the compiled (Triton) kernel cannot take these shapes, or None: Triton
+    needs power-of-two tiles of at least 16 along matmul dimensions, which real model shapes meet and tiny test
+    models often do not. Then `auto` runs the XLA reference and `pallas` raises. Interpret mode has no such limits.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "pallas" if (on_gpu() or interpret) else "xla"
-    return impl
+    choice = ("pallas" if (on_gpu() or interpret) else "xla") if impl == "auto" else impl
+    if choice == "pallas" and unsupported and not interpret:
+        if impl == "auto":
+            return "xla"
+        raise ValueError(f"the Pallas kernel cannot compile these shapes: {unsupported}; use impl='auto' or 'xla'")
+    return choice
+
+
+def pow2_tile_problem(name: str, size: int, minimum: int = 16) -> str | None:
+    """Why `size` cannot be a Triton matmul tile dimension (None when it can)."""
+    if size < minimum or size & (size - 1):
+        return f"{name}={size} is not a power of two >= {minimum}"
+    return None
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides `n` and is at most `cap`."""
+    return min(n & -n, cap)
 
 
 def dot_precision(dtype):

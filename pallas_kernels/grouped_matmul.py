@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, resolve_impl
+from ._dispatch import dot_precision, largest_pow2_divisor, pow2_tile_problem, resolve_impl
 
 
 def grouped_matmul_reference(x, w, group_sizes):
@@ -99,9 +99,9 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int = 128, block_n: int
     E, K2, N = w.shape
     if K2 != K:
         raise ValueError(f"x has K={K}, w has K={K2}")
-    block_k = min(block_k, K)
-    if K % block_k:
-        raise ValueError(f"K={K} must be a multiple of block_k={block_k}")
+    if not interpret and (problem := pallas_problem(K, block_k)):
+        raise ValueError(problem)
+    block_k = largest_pow2_divisor(K, block_k)
     # N need not be a multiple of block_n (Nemotron's 1856 = 29 * 64): the last column tile is masked.
     schedule = make_schedule(group_sizes, M, block_m)
     num_items = schedule[0].shape[0]
@@ -116,8 +116,13 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int = 128, block_n: int
     )(*schedule, x, w)
 
 
+def pallas_problem(K: int, block_k: int = 64) -> str | None:
+    """Why the compiled kernel cannot take this contraction size (the K loop steps by a power-of-two tile)."""
+    return pow2_tile_problem("the largest power-of-two tile dividing K", largest_pow2_divisor(K, block_k))
+
+
 def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", interpret: bool = False, **kernel_options):
     """See the module docstring."""
-    if resolve_impl(impl, interpret) == "xla":
+    if resolve_impl(impl, interpret, pallas_problem(x.shape[1])) == "xla":
         return grouped_matmul_reference(x, w, group_sizes)
     return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret, **kernel_options)

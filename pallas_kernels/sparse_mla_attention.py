@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, resolve_impl
+from ._dispatch import dot_precision, pow2_tile_problem, resolve_impl
 
 
 def logical_to_cache_rows(indices, page_table, seq_ids, page_size: int):
@@ -119,10 +119,20 @@ def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lo
     )(indices, q, flat)
 
 
+def pallas_problem(heads: int, latent_dim: int, rope_dim: int, block_h: int = 32) -> str | None:
+    """Why the compiled kernel cannot take these shapes (tiles [min(block_h, heads), latent or rope dim])."""
+    if heads % min(block_h, heads):
+        return f"heads={heads} is not a multiple of the head block {block_h}"
+    return (pow2_tile_problem("heads per block", min(block_h, heads)) or pow2_tile_problem("kv_lora_rank", latent_dim)
+            or pow2_tile_problem("qk_rope_head_dim", rope_dim))
+
+
 def sparse_mla_attention(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512, impl: str = "auto",
                          interpret: bool = False, **kernel_options):
     """See the module docstring. `kv_lora_rank` = Dl (value width); D - Dl is the rope part."""
-    if resolve_impl(impl, interpret) == "xla":
+    problem = pallas_problem(q.shape[1], kv_lora_rank, q.shape[2] - kv_lora_rank,
+                             kernel_options.get("block_h", 32))
+    if resolve_impl(impl, interpret, problem) == "xla":
         return sparse_mla_attention_reference(q, latent_cache, indices, scale=scale, kv_lora_rank=kv_lora_rank)
     return sparse_mla_attention_pallas(q, latent_cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
                                        interpret=interpret, **kernel_options)

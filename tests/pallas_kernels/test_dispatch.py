@@ -1,0 +1,44 @@
+"""Choosing a kernel: `auto` falls back to the XLA reference for shapes the compiled kernel cannot take."""
+
+import importlib
+
+import pytest
+
+from pallas_kernels import _dispatch
+
+# The package re-exports functions under the module names, so fetch the modules themselves.
+gmm = importlib.import_module("pallas_kernels.grouped_matmul")
+itk = importlib.import_module("pallas_kernels.indexer_topk")
+smla = importlib.import_module("pallas_kernels.sparse_mla_attention")
+
+
+def test_auto_on_cpu_is_xla_unless_interpreting():
+    assert _dispatch.resolve_impl("auto") == "xla"
+    assert _dispatch.resolve_impl("auto", interpret=True) == "pallas"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        _dispatch.resolve_impl("triton")
+
+
+def test_unsupported_shapes(monkeypatch):
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    assert _dispatch.resolve_impl("auto", unsupported=None) == "pallas"
+    assert _dispatch.resolve_impl("auto", unsupported="K=24 ...") == "xla"
+    # Interpret mode runs any shape.
+    assert _dispatch.resolve_impl("pallas", interpret=True, unsupported="K=24 ...") == "pallas"
+    with pytest.raises(ValueError, match="K=24"):
+        _dispatch.resolve_impl("pallas", unsupported="K=24 ...")
+
+
+def test_real_model_shapes_are_supported():
+    assert gmm.pallas_problem(7168) is None and gmm.pallas_problem(2688) is None and gmm.pallas_problem(1856) is None
+    assert itk.pallas_problem(64, 128) is None
+    assert smla.pallas_problem(128, 512, 64) is None and smla.pallas_problem(16, 512, 64) is None
+
+
+def test_tiny_shapes_are_named():
+    assert "K" in gmm.pallas_problem(24)
+    assert gmm.pallas_problem(48) is None  # a 16-wide K tile divides 48
+    assert "index_head_dim=20" in itk.pallas_problem(16, 20)
+    assert "index_n_heads=4" in itk.pallas_problem(4, 32)
+    assert "kv_lora_rank=20" in smla.pallas_problem(16, 20, 16)
+    assert "multiple" in smla.pallas_problem(48, 512, 64)
