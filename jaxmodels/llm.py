@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxmodels.engine.engine import Engine, InvalidRequest
 from jaxmodels.engine.request import SamplingParams
 from jaxmodels.loading import load_model
+from sharding import make_mesh
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
@@ -41,14 +42,16 @@ class LLM:
                  tp: int = 1, *, max_prefill_tokens: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None):
-        if (dp, tp) != (1, 1):
-            raise NotImplementedError("dp/tp sharding is not implemented in the engine yet; use dp=1, tp=1")
+        # dp x tp devices: attention projections and KV pages split by heads over tp, MLP/MoE weights over all
+        # devices (see sharding.rules). The batch itself is not yet split over dp: each dp group runs the whole
+        # batch's attention and Mamba, so dp saves weight memory but adds no attention throughput.
+        mesh = make_mesh(dp, tp) if dp * tp > 1 else None
         self.model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress)
         self.tokenizer = load_tokenizer(path) if path is not None else None
         self.engine = Engine(self.model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,
                              warmup=warmup, progress=progress, prefill_sizes=prefill_sizes,
-                             decode_sizes=decode_sizes)
+                             decode_sizes=decode_sizes, mesh=mesh)
 
     def _encode(self, prompt):
         if isinstance(prompt, str):

@@ -2,7 +2,8 @@
 
 Under `jax.jit` any sharding computes the same function (XLA inserts the collectives), so these rules are layout
 choices for speed and memory, never for correctness:
-- attention projections split by heads over `tp` (columns of q/k/v, rows of o);
+- GQA attention projections split by heads over `tp` (columns of q/k/v, rows of o); MLA stays whole for now (its
+  latent cache is shared by all heads, so a head split would still need every latent row on every device);
 - Mamba mixers stay whole on every device of a `dp` group: their in_proj packs z|x|B|C|dt, which a column split
   would cut across, and their state is per request, so Mamba scales by splitting the batch over `dp`;
 - dense MLPs split their hidden dimension over both axes; routed experts are split by expert over both axes
@@ -22,10 +23,10 @@ ALL = ("dp", "tp")
 RULES = (
     (r"\.mixer\.(q_proj|k_proj|v_proj)\.kernel$", (None, "tp")),
     (r"\.mixer\.o_proj\.kernel$", ("tp", None)),
-    (r"\.mixer\.experts\.(gate_proj|up_proj|down_proj)$", (ALL, None, None)),
-    (r"\.(mixer|shared_experts)\.(gate_proj|up_proj)\.kernel$", (None, ALL)),
-    (r"\.(mixer|shared_experts)\.down_proj\.kernel$", (ALL, None)),
-    (r"^embeddings\.embedding$", ("tp", None)),
+    (EXPERTS := r"\.(?:mixer|mlp)\.experts\.(gate_proj|up_proj|down_proj)$", (ALL, None, None)),
+    (r"\.(mixer|mlp|shared_experts)\.(gate_proj|up_proj)\.kernel$", (None, ALL)),
+    (r"\.(mixer|mlp|shared_experts)\.down_proj\.kernel$", (ALL, None)),
+    (r"^(embeddings|embed_tokens)\.embedding$", ("tp", None)),
     (r"^lm_head\.kernel$", (None, "tp")),
 )
 # When experts do not divide over all devices, split each expert's intermediate dimension instead.
@@ -46,6 +47,11 @@ def _fits(mesh, spec, shape) -> bool:
     return len(spec) == len(shape) and all(dim % _axis_size(mesh, axes) == 0 for axes, dim in zip(spec, shape))
 
 
+def _fit(spec, shape, mesh) -> P:
+    """`spec` with the axes that do not divide their dimension dropped."""
+    return P(*(axes if dim % _axis_size(mesh, axes) == 0 else None for axes, dim in zip(spec, shape)))
+
+
 def spec_for(path: str, shape: tuple[int, ...], mesh) -> P:
     for pattern, spec in RULES:
         match = re.search(pattern, path)
@@ -53,13 +59,24 @@ def spec_for(path: str, shape: tuple[int, ...], mesh) -> P:
             continue
         if _fits(mesh, spec, shape):
             return P(*spec)
-        if "experts" in pattern:
+        if pattern == EXPERTS:
             fallback = EXPERT_FALLBACK[match.group(1)]
             if _fits(mesh, fallback, shape):
                 return P(*fallback)
-        # Drop only the axes that do not divide, keep the rest.
-        return P(*(axes if dim % _axis_size(mesh, axes) == 0 else None for axes, dim in zip(spec, shape)))
+        return _fit(spec, shape, mesh)
     return P()
+
+
+# Serving caches by name (see the engine's step `cache_shapes`). KV pages [pages, page, kv_heads, head_dim] split
+# by heads like the projections that fill them; Mamba state, MLA latent rows and index keys are whole on every
+# device (Mamba runs unsplit; the latent is shared by all heads).
+CACHE_RULES = {"k": (None, None, "tp", None), "v": (None, None, "tp", None)}
+
+
+def cache_partition_specs(cache_shapes: dict, mesh) -> dict:
+    """{cache name: [PartitionSpec per layer]} for the engine's {cache name: [ShapeDtypeStruct per layer]}."""
+    return {name: [_fit(CACHE_RULES[name], s.shape, mesh) if name in CACHE_RULES else P() for s in shapes]
+            for name, shapes in cache_shapes.items()}
 
 
 def param_partition_specs(params: dict, mesh) -> dict:

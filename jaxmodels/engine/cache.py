@@ -36,9 +36,17 @@ class PoolSizes:
                    pages_per_seq=pages_per_seq)
 
 
-def allocate_caches(shapes) -> dict:
-    """Zero-filled device arrays for a pytree of ShapeDtypeStructs, with the total size logged."""
-    caches = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+def allocate_caches(shapes, shardings=None) -> dict:
+    """Zero-filled device arrays for a pytree of ShapeDtypeStructs, with the total size logged.
+
+    With `shardings` (the same pytree of NamedShardings) each array is created in place, shard by shard.
+    """
+    if shardings is None:
+        caches = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    else:
+        caches = jax.tree.map(
+            lambda s, sharding: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)(),
+            shapes, shardings)
     total = sum(s.size * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
     log.info("cache pools: %s, %.1f MiB in all", describe(shapes), total / 2**20)
     return caches

@@ -20,7 +20,7 @@ class InvalidRequest(ValueError):
 class Engine:
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, max_prefill_tokens: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, warmup: bool = True, progress: bool = True,
-                 prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None):
+                 prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None, mesh=None):
         """`prefill_sizes` / `decode_sizes` replace the default bucket lists (fewer buckets compile faster; the
         largest prefill bucket is the per-step token budget, the largest decode one must be max_batch_size)."""
         if max_batch_size < 1 or max_seq_len < 2:
@@ -40,7 +40,7 @@ class Engine:
         self.scheduler = Scheduler(self.sizes, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
                                    max_seq_len=max_seq_len)
         self.runner = Runner(step_for(model), self.sizes, decode_sizes=decode_sizes,
-                             prefill_sizes=prefill_sizes, max_seqs_per_extend=max_batch_size)
+                             prefill_sizes=prefill_sizes, max_seqs_per_extend=max_batch_size, mesh=mesh)
         if warmup:
             self.runner.warmup(progress)
         self.eos_ids = frozenset(self.config.eos_token_id)

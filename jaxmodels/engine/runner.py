@@ -31,14 +31,31 @@ def _with_sampling(step_fn):
 
 
 class Runner:
-    def __init__(self, step, sizes, *, decode_sizes, prefill_sizes, max_seqs_per_extend: int):
+    def __init__(self, step, sizes, *, decode_sizes, prefill_sizes, max_seqs_per_extend: int, mesh=None):
+        """With a `mesh`, params and caches are sharded by `sharding`'s rules and the executables keep the caches'
+        shardings from step to step (the batch metadata and sampled tokens are replicated)."""
         self.step, self.sizes = step, sizes
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs = max_seqs_per_extend
-        self.params = step.params
-        self.caches = allocate_caches(step.cache_shapes(sizes))
-        self._jit_extend = jax.jit(_with_sampling(step.extend), donate_argnums=1)
-        self._jit_decode = jax.jit(_with_sampling(step.decode), donate_argnums=1)
+        cache_shapes = step.cache_shapes(sizes)
+        jit_options = {"donate_argnums": 1}
+        if mesh is None:
+            self.params = step.params
+            self.caches = allocate_caches(cache_shapes)
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from sharding import cache_partition_specs, shard_params
+
+            self.params = shard_params(step.params, mesh)
+            cache_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                                           cache_partition_specs(cache_shapes, mesh),
+                                           is_leaf=lambda x: isinstance(x, PartitionSpec))
+            self.caches = allocate_caches(cache_shapes, cache_shardings)
+            # Pinning the caches' output shardings keeps every step's inputs on the layout it was compiled for.
+            jit_options["out_shardings"] = (NamedSharding(mesh, PartitionSpec()), cache_shardings)
+        self._jit_extend = jax.jit(_with_sampling(step.extend), **jit_options)
+        self._jit_decode = jax.jit(_with_sampling(step.decode), **jit_options)
         self._tables: dict[str, dict[int, object]] = {"extend": {}, "decode": {}}
 
     def _extend_example(self, num_tokens):
