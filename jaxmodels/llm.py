@@ -41,7 +41,8 @@ class LLM:
     def __init__(self, path, dtype="bfloat16", max_batch_size: int = 64, max_seq_len: int = 4096, dp: int = 1,
                  tp: int = 1, *, max_prefill_tokens: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None,
-                 prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None):
+                 prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None,
+                 memory_fraction: float | None = None):
         # dp x tp devices: attention projections and KV pages split by heads over tp, MLP/MoE weights over all
         # devices (see sharding.rules). The batch itself is not yet split over dp: each dp group runs the whole
         # batch's attention and Mamba, so dp saves weight memory but adds no attention throughput.
@@ -51,7 +52,7 @@ class LLM:
         self.engine = Engine(self.model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,
                              warmup=warmup, progress=progress, prefill_sizes=prefill_sizes,
-                             decode_sizes=decode_sizes, mesh=mesh)
+                             decode_sizes=decode_sizes, mesh=mesh, memory_fraction=memory_fraction)
 
     def _encode(self, prompt):
         if isinstance(prompt, str):

@@ -47,9 +47,40 @@ def allocate_caches(shapes, shardings=None) -> dict:
         caches = jax.tree.map(
             lambda s, sharding: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)(),
             shapes, shardings)
-    total = sum(s.size * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+    total = total_bytes(shapes)
     log.info("cache pools: %s, %.1f MiB in all", describe(shapes), total / 2**20)
     return caches
+
+
+def total_bytes(shapes) -> int:
+    return sum(s.size * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+
+
+def pages_within(budget_bytes: int, cache_shapes, sizes: PoolSizes) -> int:
+    """How many pages (null page included) fit in `budget_bytes` beside the slot pools, for a step whose
+    `cache_shapes(sizes)` grows linearly with `sizes.num_pages`."""
+    one = total_bytes(cache_shapes(dataclasses.replace(sizes, num_pages=1)))
+    per_page = total_bytes(cache_shapes(dataclasses.replace(sizes, num_pages=2))) - one
+    fixed = one - per_page  # slot pools (Mamba state) and anything else not paged
+    pages = (budget_bytes - fixed) // per_page if per_page else sizes.num_pages
+    if pages - 1 < sizes.pages_per_seq:
+        raise ValueError(f"a cache budget of {budget_bytes / 2**20:.1f} MiB holds {max(pages, 0)} pages of "
+                         f"{per_page / 2**10:.1f} KiB beside {fixed / 2**20:.1f} MiB of state slots: not enough for "
+                         f"one request of {sizes.pages_per_seq} pages; lower max_seq_len or max_batch_size, or "
+                         "raise memory_fraction")
+    return int(pages)
+
+
+def free_device_memory(devices=None) -> int:
+    """Bytes the allocator can still hand out on the most used device (the one that runs out first)."""
+    free = []
+    for device in devices or jax.devices():
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(f"{device.platform} devices do not report their memory: memory_fraction needs a GPU; "
+                             "size the pools with max_batch_size / max_seq_len or num_pages instead")
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free)
 
 
 def describe(shapes) -> str:
