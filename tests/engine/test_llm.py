@@ -34,6 +34,25 @@ def hf_greedy(hf_model, prompt, max_new_tokens=NEW_TOKENS):
     return out[0, len(prompt):].tolist()
 
 
+def greedy_by_full_forward(model, prompts, max_new_tokens):
+    """Greedy tokens from the cache-free forward, recomputed over a fixed-size buffer for every new token (one
+    compilation). Causality makes the logits at a position independent of the padding after it."""
+    import jax
+    from flax import nnx
+
+    buffer = np.zeros((len(prompts), max(map(len, prompts)) + max_new_tokens), np.int32)
+    lengths = np.array([len(p) for p in prompts])
+    for row, prompt in enumerate(prompts):
+        buffer[row, : len(prompt)] = prompt
+    graphdef, state = nnx.split(model)
+    last_logits = jax.jit(lambda state, ids, lengths: nnx.merge(graphdef, state)(ids)[np.arange(len(prompts)),
+                                                                                      lengths - 1])
+    for _ in range(max_new_tokens):
+        buffer[np.arange(len(prompts)), lengths] = np.asarray(last_logits(state, buffer, lengths)).argmax(-1)
+        lengths += 1
+    return [buffer[row, len(p):lengths[row]].tolist() for row, p in enumerate(prompts)]
+
+
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def served(request, tmp_path_factory):
     hf_model = make_nemotron_h(request.param)
@@ -60,7 +79,7 @@ def test_greedy_matches_transformers(served):
         assert out.prompt_token_ids == prompt
 
 
-@pytest.mark.parametrize("variant", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("variant", ["deepseek_v32", "deepseek_v32_yarn", "glm_moe_dsa"])
 def test_dsa_greedy_matches_transformers(variant, tmp_path):
     """DSA models through the same engine. index_topk is 6 in these checkpoints, so every prompt longer than that
     attends sparsely, through keys its indexer picked from the paged index-key cache."""
@@ -70,6 +89,24 @@ def test_dsa_greedy_matches_transformers(variant, tmp_path):
     prompts = random_prompts(PROMPT_LENGTHS, vocab=hf_model.config.vocab_size)
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
         assert out.token_ids == hf_greedy(hf_model, prompt), f"prompt of {len(prompt)} tokens"
+
+
+def test_dsa_fp8_index_keys_serve_the_model_forward(tmp_path):
+    """`reference` indexer numerics (Hadamard + FP8 index keys with per-token scales in the paged cache): the engine
+    gives the tokens of the no-cache forward with the same numerics (transformers has no FP8 path to compare with)."""
+    import json
+
+    path = save(make_dsa("deepseek_v32"), tmp_path / "fp8")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "indexer_numerics": "reference"}))
+    llm = jaxmodels.LLM(path, dtype="float32", **{**LIMITS, "warmup": False})
+    assert "index_k_scale" in llm.engine.runner.caches
+    prompts = random_prompts(PROMPT_LENGTHS, vocab=101)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = greedy_by_full_forward(llm.model, prompts, params.max_new_tokens)
+    for prompt, out, want in zip(prompts, llm.generate(prompts, params), expected):
+        assert out.token_ids == want, f"prompt of {len(prompt)} tokens"
+
 
 
 def test_request_alone_equals_request_in_padded_batches(dense):
