@@ -53,33 +53,43 @@ class Mamba2Mixer(nnx.Module):
         but not in its one-token decode path, so tokens that were first decoded must be recomputed unfloored to
         reproduce the same state.
         """
-        num_tokens = hidden.shape[0]
-        projected = self.in_proj(hidden)
-        gate, xbc, dt = jnp.split(projected, [self.intermediate, self.intermediate + self.conv_dim], axis=-1)
-        bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
+        gate, xbc, dt = self._project(hidden)
         xbc, conv_states = pallas_kernels.causal_conv1d(
-            xbc, self.conv1d.weight[...], bias, cu_seqlens=cu_seqlens, initial_states=conv_states,
+            xbc, self.conv1d.weight[...], self._conv_bias(), cu_seqlens=cu_seqlens, initial_states=conv_states,
             activation="silu")
-        x, B, C = jnp.split(xbc, [self.intermediate, self.intermediate + self.n_groups * self.state_size], axis=-1)
         dt_args = dict(dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=(self.time_step_min, math.inf))
         if dt_floor_mask is not None:
             dt = self._softplus_dt(dt)
             dt = jnp.where(dt_floor_mask[:, None], jnp.maximum(dt, self.time_step_min), dt)
             dt_args = dict(dt_bias=None, dt_softplus=False, dt_limit=None)
+        x, B, C = self._split_xbc(xbc)
         y, ssm_states = pallas_kernels.ssd_chunk_scan(
-            x.reshape(num_tokens, self.num_heads, self.head_dim),
-            dt,
-            -jnp.exp(self.A_log[...].astype(jnp.float32)),
-            B.reshape(num_tokens, self.n_groups, self.state_size),
-            C.reshape(num_tokens, self.n_groups, self.state_size),
-            D=self.D[...],
-            cu_seqlens=cu_seqlens,
-            chunk_size=self.chunk_size,
-            initial_states=ssm_states,
-            **dt_args,
-        )
-        y = self.norm(y.reshape(num_tokens, self.intermediate), gate)
-        return self.out_proj(y.astype(hidden.dtype)), conv_states, ssm_states
+            x, dt, self._A(), B, C, D=self.D[...], cu_seqlens=cu_seqlens, chunk_size=self.chunk_size,
+            initial_states=ssm_states, **dt_args)
+        return self._output(y, gate, hidden.dtype), conv_states, ssm_states
+
+    def _project(self, hidden: jax.Array):
+        """in_proj split into the gate z, the conv input x‖B‖C and the raw dt."""
+        projected = self.in_proj(hidden)
+        return jnp.split(projected, [self.intermediate, self.intermediate + self.conv_dim], axis=-1)
+
+    def _conv_bias(self):
+        return None if self.conv1d.bias is None else self.conv1d.bias[...]
+
+    def _split_xbc(self, xbc: jax.Array):
+        """Conv output [n, C] -> x [n, H, P], B and C [n, G, N]."""
+        n = xbc.shape[0]
+        x, B, C = jnp.split(xbc, [self.intermediate, self.intermediate + self.n_groups * self.state_size], axis=-1)
+        return (x.reshape(n, self.num_heads, self.head_dim), B.reshape(n, self.n_groups, self.state_size),
+                C.reshape(n, self.n_groups, self.state_size))
+
+    def _A(self) -> jax.Array:
+        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+
+    def _output(self, y: jax.Array, gate: jax.Array, dtype) -> jax.Array:
+        """Gated norm of the scan output [n, H, P] with z, then out_proj."""
+        y = self.norm(y.reshape(y.shape[0], self.intermediate), gate)
+        return self.out_proj(y.astype(dtype))
 
     def _softplus_dt(self, dt: jax.Array) -> jax.Array:
         """softplus(dt + dt_bias) in float32, as the kernels compute it before any clamp."""
@@ -91,27 +101,14 @@ class Mamba2Mixer(nnx.Module):
         No `time_step_min` floor here: transformers' recurrent (decode) path applies none, and greedy parity with
         it is the contract. Slot 0 is the null slot of padded requests.
         """
-        batch = hidden.shape[0]
-        projected = self.in_proj(hidden)
-        gate, xbc, dt = jnp.split(projected, [self.intermediate, self.intermediate + self.conv_dim], axis=-1)
-        bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
+        gate, xbc, dt = self._project(hidden)
         xbc, conv_pool = pallas_kernels.causal_conv1d_update(
-            xbc, conv_pool, self.conv1d.weight[...], bias, slot_ids=slot_ids, activation="silu")
-        x, B, C = jnp.split(xbc, [self.intermediate, self.intermediate + self.n_groups * self.state_size], axis=-1)
+            xbc, conv_pool, self.conv1d.weight[...], self._conv_bias(), slot_ids=slot_ids, activation="silu")
+        x, B, C = self._split_xbc(xbc)
         y, ssm_pool = pallas_kernels.ssd_state_update(
-            ssm_pool,
-            x.reshape(batch, self.num_heads, self.head_dim),
-            dt,
-            -jnp.exp(self.A_log[...].astype(jnp.float32)),
-            B.reshape(batch, self.n_groups, self.state_size),
-            C.reshape(batch, self.n_groups, self.state_size),
-            D=self.D[...],
-            dt_bias=self.dt_bias[...],
-            slot_ids=slot_ids,
-            dt_softplus=True,
-        )
-        y = self.norm(y.reshape(batch, self.intermediate), gate)
-        return self.out_proj(y.astype(hidden.dtype)), conv_pool, ssm_pool
+            ssm_pool, x, dt, self._A(), B, C, D=self.D[...], dt_bias=self.dt_bias[...], slot_ids=slot_ids,
+            dt_softplus=True)
+        return self._output(y, gate, hidden.dtype), conv_pool, ssm_pool
 
     def __call__(self, hidden: jax.Array) -> jax.Array:
         """Full sequences, no cache: hidden[B,T,D] -> [B,T,D]."""
