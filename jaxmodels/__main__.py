@@ -1,7 +1,9 @@
-"""Command line: `python -m jaxmodels demo` and `python -m jaxmodels generate --model PATH --prompt "..."`."""
+"""Command line: `python -m jaxmodels demo`, `python -m jaxmodels generate --model PATH --prompt "..."` and
+`python -m jaxmodels bench --config CONFIG.json ...` (engine vs transformers, see jaxmodels/benchmark.py)."""
 
 import argparse
 import logging
+import sys
 
 
 def generate(args) -> None:
@@ -22,11 +24,17 @@ def generate(args) -> None:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark parses its own options
+        from jaxmodels.benchmark import main as bench
+
+        return bench(argv[1:], prog="python -m jaxmodels bench")
     parser = argparse.ArgumentParser(prog="python -m jaxmodels")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="build a small random Nemotron-H checkpoint and serve it")
     demo.add_argument("--requests", type=int, default=8)
     demo.add_argument("--max-new-tokens", type=int, default=32)
+    commands.add_parser("bench", help="our engine vs transformers generate on a random model (see --help)")
     gen = commands.add_parser("generate", help="generate from a checkpoint directory")
     gen.add_argument("--model", required=True, help="HF checkpoint directory (or one we converted)")
     gen.add_argument("--prompt", help="text prompt (the directory needs a tokenizer.json)")

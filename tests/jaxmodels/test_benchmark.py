@@ -1,10 +1,8 @@
 """The engine benchmark runs end to end on CPU with a tiny config (its numbers mean nothing here: the GPU run does)."""
 
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxmodels.__main__ import main
 
 TINY = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 256, "hidden_size": 64,
@@ -18,11 +16,7 @@ TINY = {
 def test_benchmark_runs_and_our_tokens_agree(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
-    spec = importlib.util.spec_from_file_location("bench_engine", os.path.join(ROOT, "bench",
-                                                                               "engine_vs_transformers.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.main(["--config", str(config), "--layers", "4", "--batch", "3", "--prompt-len", "20", "--new-tokens",
+    main(["bench", "--config", str(config), "--layers", "4", "--batch", "3", "--prompt-len", "20", "--new-tokens",
                 "8", "--dtype", "float32", "--device", "cpu", "--prefill-chunk", "32"])
     out = capsys.readouterr().out
     assert "first 8 greedy tokens equal to transformers': 100% of positions" in out
