@@ -1,5 +1,6 @@
 """Tiny random transformers checkpoints for parity tests (torch CPU, float32)."""
 
+import numpy as np
 import torch
 
 # Shapes chosen to hit the awkward cases: several Mamba groups, a Mamba head dim that is not a power of two, a
@@ -45,6 +46,12 @@ def make_nemotron_h(variant: str, seed: int = 0, **overrides):
 def save(model, directory, **kwargs):
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+def relative_error(ours, theirs) -> float:
+    """max |ours - theirs| / max |theirs|, in float64: the parity tests' measure of logits agreement."""
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 def logits_of(model, input_ids) -> "torch.Tensor":

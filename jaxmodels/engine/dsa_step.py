@@ -9,20 +9,16 @@ absorbed MLA attends to exactly those rows. Only which tokens' logits come back 
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 import pallas_kernels
 from jaxmodels.layers.attention import write_pages
 from jaxmodels.layers.rope import rope_cos_sin
-from jaxmodels.models.registry import merge_params, model_params
+from jaxmodels.engine.step import ModelStep
 
 
-class DSAStep:
+class DSAStep(ModelStep):
     def __init__(self, model):
-        self.config = model.config
-        self.dtype = model.dtype
-        self.graphdef, self.state = nnx.split(model)
-        self.params = model_params(model)
+        super().__init__(model)
         self.num_indexers = sum(layer.self_attn.indexer is not None for layer in model.layers)
         self.fp8_keys = self.config.indexer_numerics != "exact"
 
@@ -40,7 +36,7 @@ class DSAStep:
     def _forward(self, params, caches, tokens, positions, seq_ids, page_table):
         """Packed tokens of the sequences of page_table[S, P]; seq_ids[T] == S marks padding (an all-zero row is
         appended for it, so padding reads and writes only the null page)."""
-        model = merge_params(self.graphdef, self.state, params)
+        model = self._model(params)
         caches = {name: list(arrays) for name, arrays in caches.items()}
         page_table = jnp.concatenate([page_table, jnp.zeros_like(page_table[:1])])
         page_size = caches["latent"][0].shape[1]

@@ -10,17 +10,13 @@ Caches: per attention layer `k`/`v` pages [num_pages, page_size, Hk, d] (model d
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jaxmodels.models.registry import merge_params, model_params
+from jaxmodels.engine.step import ModelStep
 
 
-class NemotronHStep:
+class NemotronHStep(ModelStep):
     def __init__(self, model):
-        self.config = model.config
-        self.dtype = model.dtype
-        self.graphdef, self.state = nnx.split(model)
-        self.params = model_params(model)
+        super().__init__(model)
         self.kinds = tuple(self.config.layer_types)
 
     def cache_shapes(self, sizes) -> dict:
@@ -32,9 +28,6 @@ class NemotronHStep:
         ssm = jax.ShapeDtypeStruct((sizes.num_slots, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size),
                                    jnp.dtype(c.mamba_ssm_cache_dtype))
         return {"k": [kv] * n_attn, "v": [kv] * n_attn, "conv": [conv] * n_mamba, "ssm": [ssm] * n_mamba}
-
-    def _model(self, params):
-        return merge_params(self.graphdef, self.state, params)
 
     def _layers(self, model, hidden, caches, attention, mamba):
         """Run the blocks; `attention(mixer, x, k, v)` and `mamba(mixer, x, conv, ssm)` are the cached mixers."""

@@ -10,6 +10,7 @@ from jaxmodels.configs import load_config
 from jaxmodels.demo import DEMO_CONFIG
 from jaxmodels.models.nemotron_h import NemotronHForCausalLM
 from jaxmodels.models.registry import model_params
+from tests.hf_models import relative_error
 
 
 def test_export_round_trips_through_transformers(tmp_path):
@@ -29,4 +30,4 @@ def test_export_round_trips_through_transformers(tmp_path):
     with torch.no_grad():
         expected = hf_model(torch.as_tensor(ids)).logits.numpy()
     got = np.asarray(model(ids))
-    assert np.abs(got - expected).max() < 1e-4 * np.abs(expected).max()
+    assert relative_error(got, expected) < 1e-4

@@ -20,15 +20,10 @@ import pytest
 from flax import nnx
 
 import jaxmodels
-from tests.hf_models import logits_of, make_dsa, save
+from tests.hf_models import logits_of, make_dsa, relative_error, save
 
 TOLERANCE = 1e-4
 VARIANTS = ["deepseek_v32", "deepseek_v32_yarn", "glm_moe_dsa"]
-
-
-def relative_error(ours, theirs) -> float:
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 class Jitted:

@@ -9,14 +9,9 @@ import numpy as np
 import pytest
 
 import jaxmodels
-from tests.hf_models import logits_of, make_nemotron_h, save
+from tests.hf_models import logits_of, make_nemotron_h, relative_error, save
 
 TOLERANCE = 1e-4
-
-
-def relative_error(ours, theirs) -> float:
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 @pytest.fixture(scope="module", params=["dense", "moe", "latent_moe"])
