@@ -7,24 +7,29 @@ from flax import nnx
 from jaxmodels.layers.linear import linear
 
 
-def causal_attention(q, k, v, *, scale: float, sliding_window: int | None = None):
-    """Dense causal GQA over full sequences: q[B,T,H,d], k/v[B,T,Hk,d] -> [B,T,H,d].
+def masked_gqa(q, k, v, visible, *, scale: float):
+    """Grouped-query softmax attention: q[N,T,H,d], k/v[N,S,Hk,d], visible bool broadcastable to [N,T,S] ->
+    [N,T,H,d].
 
-    Scores and softmax in float32; the probabilities are cast back to q's dtype before the value product, as
+    Scores and softmax in float32; the probabilities are cast back to v's dtype before the value product, as
     transformers' eager attention does.
     """
-    batch, seq, heads, head_dim = q.shape
+    n, t, heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", q, k, preferred_element_type=jnp.float32) * scale
-    pos = jnp.arange(seq)
+    q = q.reshape(n, t, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("ntgrd,nsgd->ngrts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("ngrts,nsgd->ntgrd", probs, v).reshape(n, t, heads, head_dim)
+
+
+def causal_attention(q, k, v, *, scale: float, sliding_window: int | None = None):
+    """Dense causal GQA over full sequences: q[B,T,H,d], k/v[B,T,Hk,d] -> [B,T,H,d]."""
+    pos = jnp.arange(q.shape[1])
     visible = pos[:, None] >= pos[None, :]
     if sliding_window is not None:
         visible &= pos[:, None] - pos[None, :] < sliding_window
-    scores = jnp.where(visible, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
-    return out.reshape(batch, seq, heads, head_dim)
+    return masked_gqa(q, k, v, visible[None], scale=scale)
 
 
 def write_pages(pages, new, token_pages, positions):
@@ -45,18 +50,14 @@ def paged_attention(q, k_pages, v_pages, token_pages, positions, *, scale: float
     gathered per token: simple and exact, the XLA reference a paged-attention kernel would replace on the GPU.
     """
     num_tokens, heads, head_dim = q.shape
-    _, page_size, kv_heads, _ = k_pages.shape
+    kv_heads = k_pages.shape[2]
     keys = k_pages[token_pages].reshape(num_tokens, -1, kv_heads, head_dim)  # [T, P*page_size, Hk, d]
     values = v_pages[token_pages].reshape(num_tokens, -1, kv_heads, head_dim)
     visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # [T, S]
     # Unwritten cache rows may hold anything (even NaN in the null page); zeroing them keeps 0 * NaN out of the sum.
     values = jnp.where(visible[:, :, None, None], values, 0)
-    q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("tgrd,tsgd->tgrs", q, keys, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("tgrs,tsgd->tgrd", probs, values)
-    return out.reshape(num_tokens, heads, head_dim)
+    # Each token is its own one-query "sequence" over its gathered keys.
+    return masked_gqa(q[:, None], keys, values, visible[:, None, :], scale=scale)[:, 0]
 
 
 class GQAAttention(nnx.Module):
