@@ -7,6 +7,8 @@
 --tune   times a few tile configurations of the SSD scan at T = 8192 before the table.
 Shapes: Nano-9B (H=128, P=80, N=128, G=8) and Nano-30B (H=64, P=64, N=128, G=8), chunk 128, conv K=4, bf16 inputs,
 fp32 SSM state. Prefill T in {2k, 8k, 32k} as one sequence and as 16 packed sequences; decode batch {1, 64, 256}.
+Pooled prefill (the engine's extend step): 16 x 128 tokens among 256 sequence rows on a 257-slot pool, the pooled
+scan against the gather -> scan -> scatter over every row that it replaces.
 Minimum bytes: inputs read once, outputs and final states written once (decode: the state read and written once).
 Times are per call, the median of several back-to-back runs of n calls (dispatch overlaps the GPU work).
 """
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
-from pallas_kernels.mamba_ssd import ssd_chunk_scan
+from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
 from pallas_kernels.mamba_ssd_pallas import ssd_chunk_scan_pallas
 from pallas_kernels.mamba_state_update import ssd_state_update
 
@@ -110,6 +112,49 @@ def run_scan(inp, impl, **kw):
     return ssd_chunk_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"], dt_bias=inp["dt_bias"],
                           cu_seqlens=inp["cu"], chunk_size=CHUNK, initial_states=inp["init"], impl=impl,
                           interpret=INTERPRET)
+
+
+def pooled_extend_steps(inp, cu, slot_ids, has_init):
+    """The engine's per-layer extend step, pool donated: {"pallas" / "xla": the pooled scan, "gather_scatter": the
+    gather -> scan -> scatter over every sequence row (padding rows on slot 0 included) that it replaces}."""
+    args = dict(D=inp["D"], dt_bias=inp["dt_bias"], cu_seqlens=cu, chunk_size=CHUNK)
+
+    def pooled(pool, impl):
+        return ssd_chunk_scan_pooled(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], **args, state_pool=pool,
+                                     slot_ids=slot_ids, has_initial_state=has_init, impl=impl, interpret=INTERPRET)
+
+    def gather_scatter(pool):
+        initial = jnp.where(has_init[:, None, None, None], pool[slot_ids], 0.0)
+        y, final = ssd_chunk_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], **args,
+                                  initial_states=initial, impl="pallas", interpret=INTERPRET)
+        return y, pool.at[slot_ids].set(final)
+
+    steps = dict(pallas=lambda p: pooled(p, "pallas"), xla=lambda p: pooled(p, "xla"), gather_scatter=gather_scatter)
+    return {k: jax.jit(f, donate_argnums=0) for k, f in steps.items()}
+
+
+def pooled_table(rows, key, name, H, P, N, G, T=2048, real=16, num_rows=256):
+    inp = scan_inputs(key, T, H, P, N, G, real)
+    cu = jnp.concatenate([inp["cu"], jnp.full((num_rows - real,), T, jnp.int32)])
+    slot_ids = jnp.concatenate([jnp.arange(1, real + 1, dtype=jnp.int32), jnp.zeros((num_rows - real,), jnp.int32)])
+    has_init = jnp.arange(num_rows) < real
+    res = {}
+    for impl, step in pooled_extend_steps(inp, cu, slot_ids, has_init).items():
+        try:
+            def call(pool, step=step):
+                y, new = step(pool)
+                return y, (new,)
+            res[impl] = time_fn(call, lambda: (jax.random.normal(key, (num_rows + 1, H, P, N)),))
+        except Exception as e:  # noqa: BLE001
+            log(f"pooled {name} {impl} FAILED {type(e).__name__}: {str(e)[:300]}")
+    # The real rows' states are read and written once, on top of the scan's own traffic.
+    nbytes = scan_bytes(T, real, H, P, N, G) + 4 * real * H * P * N
+    add_row(rows, "ssd_chunk_scan_pooled", name, f"T={T} S={real}/{num_rows}", res, nbytes, None)
+    if "pallas" in res and "gather_scatter" in res:
+        log(f"pooled {name}: {res['pallas'] * 1e6:.0f} us vs gather/scan/scatter {res['gather_scatter'] * 1e6:.0f} us"
+            f" ({res['gather_scatter'] / res['pallas']:.1f}x)")
+        rows.append(dict(kind="pooled", shape=name, pooled_us=res["pallas"] * 1e6,
+                         gather_scatter_us=res["gather_scatter"] * 1e6))
 
 
 def decode_inputs(key, Bsz, H, P, N, G, dtype=jnp.bfloat16, slots=None):
@@ -263,7 +308,7 @@ def tune_conv(rows):
             log(f"tune conv {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
-def table(rows, Ts, batches=(1, 64, 256), kernels=("scan", "decode", "conv", "conv_update")):
+def table(rows, Ts, batches=(1, 64, 256), kernels=("scan", "pooled", "decode", "conv", "conv_update")):
     key = jax.random.PRNGKey(3)
     for name, sh in SHAPES.items():
         H, P, N, G = sh["H"], sh["P"], sh["N"], sh["G"]
@@ -280,6 +325,8 @@ def table(rows, Ts, batches=(1, 64, 256), kernels=("scan", "decode", "conv", "co
                         log(f"scan {name} T={T} S={S} {impl} FAILED {type(e).__name__}: {str(e)[:300]}")
                 add_row(rows, "ssd_chunk_scan", name, f"T={T} S={S}", res, nbytes,
                         MAMBA_SSM_US.get(("scan", name, T, S)))
+        if "pooled" in kernels:
+            pooled_table(rows, key, name, H, P, N, G)
         for Bsz in (batches if "decode" in kernels else ()):
             nbytes = 2 * Bsz * H * P * N * 4 + 2 * (2 * Bsz * H * P + Bsz * H + 2 * Bsz * G * N)
             res = {}
@@ -353,7 +400,7 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--interpret", action="store_true")
-    ap.add_argument("--kernels", default="scan,decode,conv,conv_update", help="table rows to time")
+    ap.add_argument("--kernels", default="scan,pooled,decode,conv,conv_update", help="table rows to time")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     global INTERPRET

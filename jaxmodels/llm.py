@@ -19,7 +19,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None  # None when the checkpoint has no tokenizer
-    finish_reason: str | None  # "stop", "length", "error"; None while streaming an unfinished request
+    finish_reason: str | None  # "stop", "length", "abort", "error"; None while streaming an unfinished request
     error: str | None = None
 
     @property
@@ -42,17 +42,33 @@ class LLM:
                  tp: int = 1, *, max_prefill_tokens: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None,
-                 memory_fraction: float | None = None):
+                 memory_fraction: float | None = None, matmul_precision: str | None = None, overlap: bool = True,
+                 mamba_ssm_cache_dtype: str | None = None):
+        """Load `path` (an HF checkpoint directory, or `model=` an already built model) and start the engine.
+
+        `dtype` is the weights' and activations' dtype and the compute precision (float32 means full float32
+        matmuls on the GPU too; `matmul_precision` overrides, see jaxmodels.precision). `overlap` schedules each
+        step while the previous one runs on the device (same outputs). `mamba_ssm_cache_dtype` overrides the
+        config's SSM state dtype ("bfloat16" halves the state traffic of Nemotron-H decode; float32 by default).
+        The other options are the engine's (see jaxmodels.engine.engine.Engine).
+        """
         # dp x tp devices: attention projections and KV pages split by heads over tp, MLP/MoE weights over all
         # devices (see sharding.rules). The batch itself is not yet split over dp: each dp group runs the whole
         # batch's attention and Mamba, so dp saves weight memory but adds no attention throughput.
         mesh = make_mesh(dp, tp) if dp * tp > 1 else None
-        self.model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress)
+        self.model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress,
+                                                                matmul_precision=matmul_precision)
         self.tokenizer = load_tokenizer(path) if path is not None else None
         self.engine = Engine(self.model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,
                              warmup=warmup, progress=progress, prefill_sizes=prefill_sizes,
-                             decode_sizes=decode_sizes, mesh=mesh, memory_fraction=memory_fraction)
+                             decode_sizes=decode_sizes, mesh=mesh, memory_fraction=memory_fraction,
+                             matmul_precision=matmul_precision, overlap=overlap,
+                             mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
+
+    def metrics(self) -> dict:
+        """The engine's counters (steps, tokens, host and wall time per step) and its pools' use now."""
+        return self.engine.metrics()
 
     def _encode(self, prompt):
         if isinstance(prompt, str):

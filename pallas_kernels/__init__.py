@@ -3,9 +3,10 @@
 `impl="auto"` runs the Pallas kernel on a GPU and the XLA reference elsewhere (see `_dispatch.resolve_impl`).
 """
 from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update  # noqa: E402,F401
-from pallas_kernels.mamba_ssd import ssd_chunk_scan  # noqa: E402,F401
+from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled  # noqa: E402,F401
 from pallas_kernels.mamba_state_update import ssd_state_update  # noqa: E402,F401
 from .indexer_topk import indexer_topk, indexer_topk_reference, quantize_index_k_fp8  # noqa: E402,F401
 from .sparse_mla_attention import (  # noqa: E402,F401
     logical_to_cache_rows, sparse_mla_attention, sparse_mla_attention_reference)
 from .grouped_matmul import grouped_matmul, grouped_matmul_reference  # noqa: E402,F401
+from .paged_attention import paged_attention, paged_attention_reference  # noqa: E402,F401

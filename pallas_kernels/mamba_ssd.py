@@ -18,6 +18,15 @@ Tokens at positions >= cu_seqlens[-1] (bucket padding) belong to no sequence: th
 Empty sequences are allowed: their final state is their initial state.
 
 Precision: every product is accumulated in float32; y comes back in x's dtype, final states in float32.
+
+Pooled variant (`ssd_chunk_scan_pooled`), for the serving engine's extend step: the same scan, but states live in
+the Mamba slot pool `state_pool[num_slots, H, P, N]` (float32, bfloat16 or float16). Sequence s starts from
+`state_pool[slot_ids[s]]` (read in float32) when `has_initial_state[s]`, else from zeros, and its final state is
+written back to `state_pool[slot_ids[s]]` in the pool's dtype. Empty sequences (padding rows, on the null slot 0)
+read and write nothing, so every slot not named by a non-empty sequence is bit-identical afterwards; non-empty
+sequences must name distinct slots. The caller donates the pool: the kernel updates it in place and touches only the
+slots of real sequences, where gathering [S, H, P, N] initial states and scattering the finals back would move the
+state of every row, padding included (5.2 MB per row at Nano-9B's H=128, P=80, N=128 in float32).
 """
 
 from __future__ import annotations
@@ -103,6 +112,24 @@ def _check_shapes(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states):
         raise ValueError(f"initial_states must be {(S, H, P, N)}, got {initial_states.shape}")
 
 
+def _check_pool(x, B, cu_seqlens, state_pool, slot_ids, has_initial_state):
+    H, P = x.shape[1:]
+    N = B.shape[2]
+    S = cu_seqlens.shape[0] - 1
+    if state_pool.ndim != 4 or state_pool.shape[1:] != (H, P, N):
+        raise ValueError(f"state_pool must be [num_slots, {H}, {P}, {N}], got {state_pool.shape}")
+    if state_pool.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"state_pool must be float32, bfloat16 or float16, got {state_pool.dtype}")
+    if slot_ids.shape != (S,) or has_initial_state.shape != (S,):
+        raise ValueError(f"slot_ids and has_initial_state must be [S]={S}, got {slot_ids.shape} and "
+                         f"{has_initial_state.shape}")
+
+
+def _static_dt_limit(dt_limit):
+    """Plain floats, so the limit can be a static (hashable) jit argument."""
+    return None if dt_limit is None else (float(dt_limit[0]), float(dt_limit[1]))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # XLA reference
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,8 +212,29 @@ def ssd_chunk_scan_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, in
     return y.astype(x.dtype), final_states
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size", "dt_softplus", "dt_limit"))
+def ssd_chunk_scan_pooled_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
+                              has_initial_state, dt_softplus=True, dt_limit=None):
+    """The reference on pool rows: gather the initial states, scan, scatter the finals back.
+
+    Rows that must not touch the pool get the out-of-range index num_slots: fresh and empty sequences gather zeros
+    (mode="fill") and empty ones scatter nothing (mode="drop"), so the null slot and idle slots are never read into
+    the result nor written, whatever they hold.
+    """
+    num_slots = state_pool.shape[0]
+    cu = cu_seqlens.astype(jnp.int32)
+    live = cu[1:] > cu[:-1]
+    read_rows = jnp.where(live & has_initial_state.astype(bool), slot_ids, num_slots)
+    write_rows = jnp.where(live, slot_ids, num_slots)
+    initial_states = state_pool.at[read_rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+    y, final_states = ssd_chunk_scan_xla(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                                         chunk_size=chunk_size, initial_states=initial_states,
+                                         dt_softplus=dt_softplus, dt_limit=dt_limit)
+    return y, state_pool.at[write_rows].set(final_states.astype(state_pool.dtype), mode="drop")
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Public entry point
+# Public entry points
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -198,8 +246,7 @@ def ssd_chunk_scan(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initia
     HF's NemotronH mixer passes `(config.time_step_min, inf)` here in its chunk path.
     """
     _check_shapes(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states)
-    if dt_limit is not None:
-        dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+    dt_limit = _static_dt_limit(dt_limit)
     which = resolve_impl(impl, interpret)
     if which == "xla":
         return ssd_chunk_scan_xla(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
@@ -210,3 +257,24 @@ def ssd_chunk_scan(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initia
     return ssd_chunk_scan_pallas(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
                                  chunk_size=chunk_size, initial_states=initial_states, dt_softplus=dt_softplus,
                                  dt_limit=dt_limit, interpret=interpret)
+
+
+def ssd_chunk_scan_pooled(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
+                          has_initial_state, dt_softplus=True, dt_limit=None, impl="auto", interpret=False,
+                          **kernel_options):
+    """`ssd_chunk_scan` with states in the slot pool (see the module docstring): state_pool[num_slots, H, P, N],
+    slot_ids int32[S], has_initial_state bool[S] -> (y[T, H, P], state_pool). Donate the pool to update it in place.
+
+    `kernel_options` (block_t, block_p, num_warps, num_stages) tune the Pallas kernel's tiles; the XLA reference has
+    none and ignores them.
+    """
+    _check_shapes(x, dt, A, B, C, D, dt_bias, cu_seqlens, None)
+    _check_pool(x, B, cu_seqlens, state_pool, slot_ids, has_initial_state)
+    common = dict(D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_pool=state_pool,
+                  slot_ids=slot_ids, has_initial_state=has_initial_state, dt_softplus=dt_softplus,
+                  dt_limit=_static_dt_limit(dt_limit))
+    if resolve_impl(impl, interpret) == "xla":
+        return ssd_chunk_scan_pooled_xla(x, dt, A, B, C, **common)
+    from pallas_kernels.mamba_ssd_pallas import ssd_chunk_scan_pooled_pallas
+
+    return ssd_chunk_scan_pooled_pallas(x, dt, A, B, C, **common, interpret=interpret, **kernel_options)

@@ -12,6 +12,12 @@ The block length only changes rounding, not the function (the decomposition is e
 kernel's `block_t` is a tile size chosen for the GPU and may differ from the model's `chunk_size`; blocks are still
 aligned to sequence starts and never mix sequences.
 
+The same kernel serves the pooled variant (`pooled=True`): there sequence s reads its initial state from
+`pool[slot_ids[s]]` (only when `has_initial_state[s]`; a fresh sequence's load is fully masked, so its slot's old
+contents are never read) and stores its final state back there, in the same buffer (input_output_aliases: the
+donated pool is updated in place). Programs of empty sequences (padding rows on the null slot) neither load nor
+store state, so only the slots of real sequences are touched.
+
 Triton needs power-of-two tiles: head dim P and state size N are padded up to powers of two by masked loads and
 stores inside the kernel (no copies in the wrapper), so P = 80 runs as a 128-wide (or two 64-wide) tile.
 Products run on bf16 operands when the inputs are bf16 (float32 accumulation, float32 state) and in full float32
@@ -48,8 +54,10 @@ def _dot(a, b, contract, precision):
 
 
 def _ssd_kernel(cu_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *rest, num_seqs, num_tokens, P, N,
-                R, BT, BP, BN, npb, has_init, dt_softplus, dt_limit, compute_dtype, precision):
-    if has_init:
+                R, BT, BP, BN, npb, has_init, pooled, dt_softplus, dt_limit, compute_dtype, precision):
+    if pooled:
+        slot_ref, init_flag_ref, _, y_ref, pool_ref = rest  # the pool input is aliased to pool_ref
+    elif has_init:
         init_ref, y_ref, fin_ref = rest
     else:
         y_ref, fin_ref = rest
@@ -73,10 +81,22 @@ def _ssd_kernel(cu_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *res
     causal = rows[:, None] >= rows[None, :]
     is_last_row = rows == BT - 1
 
-    if has_init:
-        st = plgpu.load(init_ref.at[s, h, pl.ds(p0, BP), pl.ds(0, BN)], mask=pn_mask, other=0.0).astype(_f32)
-    else:
-        st = jnp.zeros((BP, BN), _f32)
+    def state_tile(ref, row):
+        return ref.at[row, h, pl.ds(p0, BP), pl.ds(0, BN)]
+
+    def load_initial():
+        if pooled:
+            mask = pn_mask & (init_flag_ref[s] != 0)
+            return plgpu.load(state_tile(pool_ref, slot_ref[s]), mask=mask, other=0.0).astype(_f32)
+        if has_init:
+            return plgpu.load(state_tile(init_ref, s), mask=pn_mask, other=0.0).astype(_f32)
+        return jnp.zeros((BP, BN), _f32)
+
+    def store_final(st):
+        if pooled:
+            plgpu.store(state_tile(pool_ref, slot_ref[s]), st.astype(pool_ref.dtype), mask=pn_mask)
+        else:
+            plgpu.store(state_tile(fin_ref, s), st, mask=pn_mask)
 
     def block(k, st):
         t0 = seq_start + k * BT
@@ -113,8 +133,14 @@ def _ssd_kernel(cu_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *res
         wb = bm.astype(_f32) * (jnp.exp(cum_last - cum) * dt)[:, None]
         return st * jnp.exp(cum_last) + _dot(xc, wb.astype(compute_dtype), (0, 0), precision)  # [BP, BN]
 
-    st = lax.fori_loop(0, nblocks, block, st)
-    plgpu.store(fin_ref.at[s, h, pl.ds(p0, BP), pl.ds(0, BN)], st, mask=pn_mask)
+    def scan_sequence():
+        store_final(lax.fori_loop(0, nblocks, block, load_initial()))
+
+    if pooled:
+        # Empty sequences are padding rows, several of them on the null slot: they must not touch the pool.
+        pl.when(nblocks > 0)(scan_sequence)
+    else:
+        scan_sequence()  # an empty sequence's final state is its initial state: it is still written
 
     # Tokens past cu[-1] (bucket padding) belong to no sequence; the last sequence's programs zero them.
     @pl.when(s == num_seqs - 1)
@@ -133,8 +159,11 @@ def _ssd_kernel(cu_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *res
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "block_t", "block_p", "num_warps",
                                              "num_stages", "interpret"))
-def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, *, dt_softplus, dt_limit, block_t,
+def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, dt_softplus, dt_limit, block_t,
                 block_p, num_warps, num_stages, interpret):
+    """Without `pool_index`, `states` is None or the initial states [S, H, P, N] and the final states come back as a
+    new float32 array. With `pool_index` = (slot_ids, has_initial_state), both int32[S], `states` is the slot pool
+    and comes back updated in place."""
     T, H, P = x.shape
     G, N = B.shape[1:]
     S = cu_seqlens.shape[0] - 1
@@ -145,21 +174,26 @@ def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, *, dt_so
     BT = block_t
     compute_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else _f32
     precision = dot_precision(compute_dtype)
-    has_init = initial_states is not None
+    pooled = pool_index is not None
     kernel = functools.partial(
         _ssd_kernel, num_seqs=S, num_tokens=T, P=P, N=N, R=H // G, BT=BT, BP=BP, BN=BN, npb=npb,
-        has_init=has_init, dt_softplus=dt_softplus, dt_limit=dt_limit, compute_dtype=compute_dtype,
-        precision=precision)
+        has_init=states is not None, pooled=pooled, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        compute_dtype=compute_dtype, precision=precision)
     args = [cu_seqlens.astype(jnp.int32), x, dt, A, D, dt_bias, B, C]
-    if has_init:
-        args.append(initial_states.astype(_f32))
+    final_shape, aliases = jax.ShapeDtypeStruct((S, H, P, N), _f32), {}
+    if pooled:
+        args += [*pool_index, states]
+        final_shape, aliases = jax.ShapeDtypeStruct(states.shape, states.dtype), {len(args) - 1: 1}
+    elif states is not None:
+        args.append(states.astype(_f32))
     return pl.pallas_call(
         kernel,
         grid=(H * npb, S),
-        out_shape=(jax.ShapeDtypeStruct((T, H, P), x.dtype), jax.ShapeDtypeStruct((S, H, P, N), _f32)),
+        out_shape=(jax.ShapeDtypeStruct((T, H, P), x.dtype), final_shape),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="ssd_chunk_scan",
+        name="ssd_chunk_scan_pooled" if pooled else "ssd_chunk_scan",
     )(*args)
 
 
@@ -177,10 +211,9 @@ def _default_block_p(H: int, P: int, S: int, min_programs: int = 256) -> int:
     return bp
 
 
-def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initial_states=None,
-                          dt_softplus=True, dt_limit=None, interpret=False, block_t=None, block_p=None, num_warps=4,
-                          num_stages=2):
-    """Kernel entry point. `block_t` defaults to chunk_size rounded to a power of two, clipped to [16, 32]
+def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_index, dt_softplus, dt_limit,
+            interpret, block_t, block_p, num_warps, num_stages):
+    """Tile defaults of both entry points: `block_t` is chunk_size rounded to a power of two, clipped to [16, 32]
     (H200, T = 8192: 32-token blocks 0.83 / 0.71 ms for Nano-9B S=1 / S=16 against 1.34 / 0.96 ms with 64); `block_p`
     (the head-dim tile) defaults to `_default_block_p`."""
     T, H, P = x.shape
@@ -192,6 +225,25 @@ def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size,
         raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
     D = jnp.zeros((H,), _f32) if D is None else D
     dt_bias = jnp.zeros((H,), _f32) if dt_bias is None else dt_bias
-    return _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, dt_softplus=dt_softplus,
+    return _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, dt_softplus=dt_softplus,
                        dt_limit=dt_limit, block_t=block_t, block_p=block_p, num_warps=num_warps,
                        num_stages=num_stages, interpret=interpret)
+
+
+def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initial_states=None,
+                          dt_softplus=True, dt_limit=None, interpret=False, block_t=None, block_p=None, num_warps=4,
+                          num_stages=2):
+    """Kernel entry point of `mamba_ssd.ssd_chunk_scan`; tile options as in `_launch`."""
+    return _launch(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                   states=initial_states, pool_index=None, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                   interpret=interpret, block_t=block_t, block_p=block_p, num_warps=num_warps, num_stages=num_stages)
+
+
+def ssd_chunk_scan_pooled_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
+                                 has_initial_state, dt_softplus=True, dt_limit=None, interpret=False, block_t=None,
+                                 block_p=None, num_warps=4, num_stages=2):
+    """Kernel entry point of `mamba_ssd.ssd_chunk_scan_pooled`: -> (y, state_pool updated in place)."""
+    pool_index = (slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32))
+    return _launch(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                   states=state_pool, pool_index=pool_index, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                   interpret=interpret, block_t=block_t, block_p=block_p, num_warps=num_warps, num_stages=num_stages)

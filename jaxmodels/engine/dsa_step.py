@@ -17,8 +17,10 @@ from jaxmodels.engine.step import ModelStep
 
 
 class DSAStep(ModelStep):
-    def __init__(self, model):
-        super().__init__(model)
+    def __init__(self, model, *, matmul_precision: str | None = None, mamba_ssm_cache_dtype=None):
+        if mamba_ssm_cache_dtype is not None:
+            raise ValueError("mamba_ssm_cache_dtype applies to Nemotron-H models; DSA models have no Mamba state")
+        super().__init__(model, matmul_precision=matmul_precision)
         self.num_indexers = sum(layer.self_attn.indexer is not None for layer in model.layers)
         self.fp8_keys = self.config.indexer_numerics != "exact"
 

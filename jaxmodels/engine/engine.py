@@ -1,7 +1,19 @@
-"""The serving loop: validate, schedule, run one executable, account for the sampled tokens; repeat."""
+"""The serving loop: validate, schedule, send one executable to the device, account for the sampled tokens; repeat.
 
+With overlapped scheduling (the default) step N+1 is scheduled and sent before step N's tokens are read back: JAX
+dispatch is asynchronous, so the host's scheduling and batch building run while the device computes, and the device
+finds the next step queued when it finishes one. Decode inputs come from the device-side last token of each slot, so
+nothing waits for the host. Outputs are the same as without overlap: stop conditions are applied when the tokens
+arrive (a request that stopped may run one extra step whose token is dropped), and a preemption, which recomputes a
+request from its tokens, first settles the step in flight.
+"""
+
+import dataclasses
 import logging
 import random
+import time
+
+import numpy as np
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
 from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within
@@ -17,28 +29,54 @@ class InvalidRequest(ValueError):
     """A request rejected before it reached the device; the message names what is wrong."""
 
 
+@dataclasses.dataclass
+class _InFlight:
+    kind: str  # "extend" or "decode"
+    work: list  # the scheduler's chunks or requests
+    tokens: object  # device array of the sampled tokens, not yet read
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """Cumulative counters of the serving loop (see Engine.metrics)."""
+
+    steps: int = 0
+    extend_steps: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0  # time inside Engine.step
+    wait_s: float = 0.0  # of which blocked on the device's tokens
+
+
 class Engine:
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, max_prefill_tokens: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, warmup: bool = True, progress: bool = True,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None, mesh=None,
-                 memory_fraction: float | None = None):
+                 memory_fraction: float | None = None, overlap: bool = True, mamba_ssm_cache_dtype=None,
+                 matmul_precision: str | None = None):
         """`prefill_sizes` / `decode_sizes` replace the default bucket lists (fewer buckets compile faster; the
         largest prefill bucket is the per-step token budget, the largest decode one must be max_batch_size).
 
         Pages: `num_pages` if given; else, with `memory_fraction`, as many as fit in that fraction of the device
         memory still free after the weights (the rest is left for activations and compilation); else enough for
         max_batch_size requests of max_seq_len tokens.
+
+        `overlap=False` reads every step's tokens before scheduling the next (same outputs, slower).
+        `mamba_ssm_cache_dtype` overrides the config's SSM state dtype (e.g. "bfloat16" halves the state traffic).
+        `matmul_precision` overrides the precision the model's dtype implies (see jaxmodels.precision).
         """
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
         self.config = model.config
         self.max_seq_len = max_seq_len
+        self.overlap = overlap
         prefill_sizes = sorted(prefill_sizes or prefill_buckets(max_prefill_tokens or min(max_seq_len, 1024)))
         decode_sizes = sorted(decode_sizes or decode_buckets(max_batch_size))
         if decode_sizes[-1] != max_batch_size:
             raise ValueError(f"the largest decode bucket must be max_batch_size={max_batch_size}: {decode_sizes}")
         max_prefill_tokens = prefill_sizes[-1]
-        step = step_for(model)
+        step = step_for(model, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, matmul_precision=matmul_precision)
         self.sizes = PoolSizes.from_limits(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                            page_size=page_size, num_pages=num_pages)
         if num_pages is None and memory_fraction is not None:
@@ -62,6 +100,10 @@ class Engine:
         self.eos_ids = frozenset(self.config.eos_token_id)
         self._next_id = 0
         self._seeds = random.Random(0)
+        self._live: dict[int, Request] = {}  # unfinished requests by id
+        self._aborts: set[int] = set()
+        self._inflight: _InFlight | None = None
+        self.times = StepTimes()
 
     def add_request(self, prompt, params: SamplingParams) -> Request:
         """Queue a request; raises InvalidRequest (touching no state) when the prompt or its params are bad."""
@@ -73,15 +115,95 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         request = Request(self._next_id, prompt, params, seed, eos_ids=self.eos_ids)
         self._next_id += 1
+        self._live[request.request_id] = request
         self.scheduler.add(request)
         return request
 
+    def abort(self, request_id: int) -> None:
+        """Stop a request at the next step boundary: its slot and pages are freed, and the next `step()` returns it
+        with finish_reason "abort". Unknown or finished ids are ignored."""
+        self._aborts.add(request_id)
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None or bool(self._aborts)
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that received a token in it."""
-        kind, work = self.scheduler.schedule()
+        """Run one step; returns the requests that received a token (or finished) in it.
+
+        With overlap, "this step" sends step N+1 to the device and accounts for step N's tokens.
+        """
+        start = time.perf_counter()
+        updated = self._apply_aborts()
+        work = self.scheduler.schedule(can_preempt=self._inflight is None)
+        if work is None and self._inflight is not None:
+            # Nothing can run until the tokens in flight are known (or running would need a preemption, which
+            # recomputes a request from its tokens): settle the step in flight, then decide.
+            updated += self._collect()
+            work = self.scheduler.schedule()
+        if work is None and self.scheduler.has_work():
+            raise RuntimeError("scheduler stalled with work left and nothing in flight; the pool is too small")
+        launched = None
+        if work is not None:
+            kind, items = work
+            launch = self.runner.launch_extend if kind == "extend" else self.runner.launch_decode
+            launched = _InFlight(kind, items, launch(items, self.scheduler.slots))
+            self._count(kind, items)
+        if self._inflight is not None:
+            updated += self._collect()  # waits for the previous step; the one just sent is queued behind it
+        self._inflight = launched
+        if not self.overlap and self._inflight is not None:
+            updated += self._collect()
+        for request in updated:
+            if request.finished:
+                self._live.pop(request.request_id, None)
+        self.times.wall_s += time.perf_counter() - start
+        return updated
+
+    def _apply_aborts(self) -> list[Request]:
+        aborted = []
+        for request_id in self._aborts:
+            request = self._live.get(request_id)
+            if request is not None and self.scheduler.abort(request):
+                aborted.append(request)
+        self._aborts.clear()
+        return aborted
+
+    def _collect(self) -> list[Request]:
+        inflight, self._inflight = self._inflight, None
+        start = time.perf_counter()
+        sampled = np.asarray(inflight.tokens)
+        self.times.wait_s += time.perf_counter() - start
+        finish = self.scheduler.finish_extend if inflight.kind == "extend" else self.scheduler.finish_decode
+        got = finish(inflight.work, sampled[: len(inflight.work)])
+        self.times.generated_tokens += len(got)
+        return got
+
+    def _count(self, kind: str, items) -> None:
+        self.times.steps += 1
         if kind == "extend":
-            return self.scheduler.finish_extend(work, self.runner.run_extend(work))
-        return self.scheduler.finish_decode(work, self.runner.run_decode(work))
+            self.times.extend_steps += 1
+        else:
+            self.times.decode_steps += 1
+            self.times.decode_rows += len(items)
+
+    def metrics(self) -> dict:
+        """Counters since start (or since `reset_metrics`), and the pools' state now.
+
+        host_s_per_step: time the loop spends on the host per step (scheduling, batches, dispatch, accounting), i.e.
+        inside step() but not blocked on the device; with overlap it runs while the device computes, so what matters
+        is that it stays below the device's step time. wall_s_per_step: time per step as the caller sees it; with
+        overlap and host time below device time, that is the device's step time.
+        """
+        t, s = self.times, self.scheduler
+        steps = max(t.steps, 1)
+        host = t.wall_s - t.wait_s
+        return dict(
+            running=len(s.running), waiting=len(s.waiting), steps=t.steps, extend_steps=t.extend_steps,
+            decode_steps=t.decode_steps, mean_decode_batch=t.decode_rows / max(t.decode_steps, 1),
+            generated_tokens=t.generated_tokens, host_s_per_step=host / steps, wall_s_per_step=t.wall_s / steps,
+            host_fraction=host / t.wall_s if t.wall_s else 0.0, preemptions=s.num_preemptions,
+            kv_pages_used=self.sizes.num_pages - 1 - len(s.free_pages), kv_pages_total=self.sizes.num_pages - 1,
+            slots_used=self.sizes.num_slots - 1 - len(s.free_slots), slots_total=self.sizes.num_slots - 1)
+
+    def reset_metrics(self) -> None:
+        self.times = StepTimes()

@@ -7,9 +7,11 @@ from jaxmodels.engine.nemotron_h_step import NemotronHStep
 STEP_CLASSES = {"nemotron_h": NemotronHStep, "deepseek_v32": DSAStep, "glm_moe_dsa": DSAStep}
 
 
-def step_for(model):
+def step_for(model, **options):
+    """The family's step object for `model`; `options` (e.g. matmul_precision, mamba_ssm_cache_dtype) go to its
+    constructor."""
     model_type = model.config.model_type
     if model_type not in STEP_CLASSES:
         raise ValueError(f"the engine has no step functions for model_type {model_type!r}; "
                          f"supported: {sorted(STEP_CLASSES)}")
-    return STEP_CLASSES[model_type](model)
+    return STEP_CLASSES[model_type](model, **options)

@@ -15,9 +15,10 @@ from jaxmodels.engine.step import ModelStep
 
 
 class NemotronHStep(ModelStep):
-    def __init__(self, model):
-        super().__init__(model)
+    def __init__(self, model, *, matmul_precision: str | None = None, mamba_ssm_cache_dtype=None):
+        super().__init__(model, matmul_precision=matmul_precision)
         self.kinds = tuple(self.config.layer_types)
+        self.ssm_cache_dtype = jnp.dtype(mamba_ssm_cache_dtype or self.config.mamba_ssm_cache_dtype)
 
     def cache_shapes(self, sizes) -> dict:
         c = self.config
@@ -26,7 +27,7 @@ class NemotronHStep(ModelStep):
         kv = jax.ShapeDtypeStruct((sizes.num_pages, sizes.page_size, c.num_key_value_heads, c.head_dim), self.dtype)
         conv = jax.ShapeDtypeStruct((sizes.num_slots, c.conv_dim, c.conv_kernel - 1), self.dtype)
         ssm = jax.ShapeDtypeStruct((sizes.num_slots, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size),
-                                   jnp.dtype(c.mamba_ssm_cache_dtype))
+                                   self.ssm_cache_dtype)
         return {"k": [kv] * n_attn, "v": [kv] * n_attn, "conv": [conv] * n_mamba, "ssm": [ssm] * n_mamba}
 
     def _layers(self, model, hidden, caches, attention, mamba):
@@ -64,14 +65,16 @@ class NemotronHStep(ModelStep):
         slots, fresh = batch["slot_ids"], ~batch["has_prefix"]
 
         def attention(mixer, x, k, v):
-            return mixer.forward_paged(x, k, v, token_pages, positions)
+            return mixer.forward_paged(x, k, v, token_pages=token_pages, page_table=batch["page_table"],
+                                       cu_seqlens=cu, positions=positions)
 
         def mamba(mixer, x, conv, ssm):
-            # A request's first chunk starts from zero state, whatever its slot's previous owner left there.
+            # A request's first chunk starts from zero state, whatever its slot's previous owner left there. The
+            # SSM pool is updated in place by the scan, touching only the slots of real sequences (the conv states
+            # are small enough to gather and scatter).
             conv0 = jnp.where(fresh[:, None, None], 0, conv[slots]).astype(conv.dtype)
-            ssm0 = jnp.where(fresh[:, None, None, None], 0, ssm[slots]).astype(ssm.dtype)
-            out, conv1, ssm1 = mixer.forward_packed(x, cu, conv0, ssm0, dt_floor_mask=dt_floor)
-            return out, conv.at[slots].set(conv1.astype(conv.dtype)), ssm.at[slots].set(ssm1.astype(ssm.dtype))
+            out, conv1, ssm = mixer.forward_packed_pooled(x, cu, conv0, ssm, slots, ~fresh, dt_floor_mask=dt_floor)
+            return out, conv.at[slots].set(conv1.astype(conv.dtype)), ssm
 
         hidden, caches = self._layers(model, model.embeddings(tokens), caches, attention, mamba)
         last = jnp.clip(cu[1:] - 1, 0, num_tokens - 1)
@@ -81,9 +84,11 @@ class NemotronHStep(ModelStep):
         """batch: tokens/positions/slot_ids int32[B]; page_table int32[B, pages_per_seq] (padded rows: slot 0, zeros)."""
         model = self._model(params)
         positions, slots, pages = batch["positions"], batch["slot_ids"], batch["page_table"]
+        one_token_each = jnp.arange(positions.shape[0] + 1, dtype=jnp.int32)
 
         def attention(mixer, x, k, v):
-            return mixer.forward_paged(x, k, v, pages, positions)
+            return mixer.forward_paged(x, k, v, token_pages=pages, page_table=pages, cu_seqlens=one_token_each,
+                                       positions=positions)
 
         def mamba(mixer, x, conv, ssm):
             return mixer.forward_decode(x, conv, ssm, slots)

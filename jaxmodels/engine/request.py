@@ -1,6 +1,7 @@
 """Requests and their sampling parameters, with the validation that keeps bad input away from the device."""
 
 import dataclasses
+import enum
 import math
 
 
@@ -48,10 +49,21 @@ def prompt_problems(prompt, *, vocab_size: int, max_seq_len: int) -> list[str]:
     return []
 
 
-@dataclasses.dataclass
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no slot or page (new, or preempted and waiting to be recomputed)
+    PREFILLING = "prefilling"  # admitted: its caches are being filled from token_ids, chunk by chunk
+    DECODING = "decoding"  # its caches hold every token: one new token per step
+    FINISHED = "finished"  # finish_reason says why; holds nothing
+
+
+# Identity semantics (eq=False): the scheduler keys requests by id and never compares them field by field; a
+# generated __eq__ over the token lists made membership tests O(tokens) and cost half of a B=256 step.
+@dataclasses.dataclass(eq=False)
 class Request:
     """One request's host-side state. `token_ids` = prompt + output; the first `num_computed` of them are in the
-    caches. Preemption drops the caches and sets num_computed back to 0; the output is kept and recomputed."""
+    caches, or on their way there in a step already sent to the device (with overlapped scheduling the last
+    output tokens may still be on the device, so `num_computed` can run one ahead of `len(token_ids)`).
+    Preemption drops the caches and sets num_computed back to 0; the output is kept and recomputed."""
 
     request_id: int
     prompt: list[int]
@@ -63,13 +75,30 @@ class Request:
     num_computed: int = 0
     slot: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    # False while the caches are being filled from token_ids (prefill, or recompute after preemption); True once
-    # the extend that covered all of them sampled a token, from which on one token is fed per step.
-    decoding: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    status: RequestStatus = RequestStatus.WAITING
 
     def __post_init__(self):
         self.token_ids = list(self.prompt) + list(self.output)
+
+    @property
+    def decoding(self) -> bool:
+        return self.status is RequestStatus.DECODING
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def num_outputs_scheduled(self) -> int:
+        """Output tokens this request will hold once every step sent to the device has come back: the token at
+        position num_computed - 1 of a decoding request samples output number num_computed - len(prompt)."""
+        return self.num_computed - len(self.prompt) + 1 if self.decoding else len(self.output)
+
+    def may_grow(self, max_seq_len: int) -> bool:
+        """Whether one more decode step can still yield a token within the length limits."""
+        scheduled = self.num_outputs_scheduled
+        return scheduled < self.params.max_new_tokens and len(self.prompt) + scheduled < max_seq_len
 
     def stop_reason(self, token: int, max_seq_len: int) -> str | None:
         if token in self.params.stop_token_ids or (token in self.eos_ids and not self.params.ignore_eos):

@@ -10,22 +10,46 @@ import os
 import time
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from jaxmodels.engine.batch import decode_batch, extend_batch
 from jaxmodels.engine.buckets import bucket_for
 from jaxmodels.engine.cache import allocate_caches
 from jaxmodels.engine.sampler import sample
+from jaxmodels.engine.scheduler import SlotTables
+from jaxmodels.precision import precision_scope
 
 log = logging.getLogger("jaxmodels.engine")
 
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "step")
 
 
-def _with_sampling(step_fn):
-    def run(params, caches, batch):
-        logits, caches = step_fn(params, caches, batch)
-        return sample(logits, *(batch[k] for k in _SAMPLING_KEYS)), caches
+def _sampled(logits, batch):
+    return sample(logits, *(batch[k] for k in _SAMPLING_KEYS))
+
+
+def _extend_fn(step):
+    """The extend executable: the step, sampling, and each sequence's sampled token stored at its slot."""
+
+    def run(params, caches, last_tokens, batch):
+        with precision_scope(step.matmul_precision):
+            logits, caches = step.extend(params, caches, batch)
+            sampled = _sampled(logits, batch)
+        return sampled, caches, last_tokens.at[batch["slot_ids"]].set(sampled)
+
+    return run
+
+
+def _decode_fn(step):
+    """The decode executable: each row's input is the token its slot sampled last, so the host never has to send
+    it (and may send this step before the previous step's tokens have come back)."""
+
+    def run(params, caches, last_tokens, batch):
+        tokens = last_tokens[batch["slot_ids"]]
+        with precision_scope(step.matmul_precision):
+            logits, caches = step.decode(params, caches, {**batch, "tokens": tokens})
+            sampled = _sampled(logits, batch)
+        return sampled, caches, last_tokens.at[batch["slot_ids"]].set(sampled)
 
     return run
 
@@ -38,7 +62,7 @@ class Runner:
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs = max_seqs_per_extend
         cache_shapes = step.cache_shapes(sizes)
-        jit_options = {"donate_argnums": 1}
+        jit_options = {"donate_argnums": (1, 2)}
         if mesh is None:
             self.params = step.params
             self.caches = allocate_caches(cache_shapes)
@@ -53,16 +77,21 @@ class Runner:
                                            is_leaf=lambda x: isinstance(x, PartitionSpec))
             self.caches = allocate_caches(cache_shapes, cache_shardings)
             # Pinning the caches' output shardings keeps every step's inputs on the layout it was compiled for.
-            jit_options["out_shardings"] = (NamedSharding(mesh, PartitionSpec()), cache_shardings)
-        self._jit_extend = jax.jit(_with_sampling(step.extend), **jit_options)
-        self._jit_decode = jax.jit(_with_sampling(step.decode), **jit_options)
+            replicated = NamedSharding(mesh, PartitionSpec())
+            jit_options["out_shardings"] = (replicated, cache_shardings, replicated)
+        self.last_tokens = jnp.zeros((sizes.num_slots,), jnp.int32)
+        if mesh is not None:
+            self.last_tokens = jax.device_put(self.last_tokens, replicated)
+        self._jit_extend = jax.jit(_extend_fn(step), **jit_options)
+        self._jit_decode = jax.jit(_decode_fn(step), **jit_options)
         self._tables: dict[str, dict[int, object]] = {"extend": {}, "decode": {}}
+        self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
     def _extend_example(self, num_tokens):
-        return extend_batch([], num_tokens, self.max_seqs, self.sizes.pages_per_seq)
+        return extend_batch([], num_tokens, self.max_seqs, self._example_tables)
 
     def _decode_example(self, rows):
-        return decode_batch([], rows, self.sizes.pages_per_seq)
+        return decode_batch([], rows, self._example_tables)
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket. An all-padding batch has the exact shapes and dtypes of a real one.
@@ -86,8 +115,8 @@ class Runner:
 
     def _lower(self, kind, n):
         if kind == "extend":
-            return self._jit_extend.lower(self.params, self.caches, self._extend_example(n))
-        return self._jit_decode.lower(self.params, self.caches, self._decode_example(n))
+            return self._jit_extend.lower(self.params, self.caches, self.last_tokens, self._extend_example(n))
+        return self._jit_decode.lower(self.params, self.caches, self.last_tokens, self._decode_example(n))
 
     def _executable(self, kind, n):
         table = self._tables[kind]
@@ -95,14 +124,16 @@ class Runner:
             table[n] = self._lower(kind, n).compile()
         return table[n]
 
-    def run_extend(self, chunks) -> np.ndarray:
-        n = bucket_for(self.prefill_sizes, sum(length for _, _, length in chunks))
-        batch = extend_batch(chunks, n, self.max_seqs, self.sizes.pages_per_seq)
-        tokens, self.caches = self._executable("extend", n)(self.params, self.caches, batch)
-        return np.asarray(tokens)[: len(chunks)]
+    def _run(self, kind, n, batch):
+        """Send one step to the device; returns its sampled tokens as a device array (not waited for)."""
+        tokens, self.caches, self.last_tokens = self._executable(kind, n)(self.params, self.caches,
+                                                                          self.last_tokens, batch)
+        return tokens
 
-    def run_decode(self, requests) -> np.ndarray:
+    def launch_extend(self, chunks, tables):
+        n = bucket_for(self.prefill_sizes, sum(length for _, _, length in chunks))
+        return self._run("extend", n, extend_batch(chunks, n, self.max_seqs, tables))
+
+    def launch_decode(self, requests, tables):
         n = bucket_for(self.decode_sizes, len(requests))
-        batch = decode_batch(requests, n, self.sizes.pages_per_seq)
-        tokens, self.caches = self._executable("decode", n)(self.params, self.caches, batch)
-        return np.asarray(tokens)[: len(requests)]
+        return self._run("decode", n, decode_batch(requests, n, tables))

@@ -5,13 +5,53 @@ for every decoding request). Extends go first, so new requests join between deco
 slot when admitted and KV pages as its tokens need them; admission and chunk sizes follow the free pages. When a
 decode needs a page and none is free, the newest request is preempted: its slot and pages are freed, its output is
 kept, and it is recomputed from its tokens later (so no request is dropped).
+
+`schedule()` commits what it returns: the chosen tokens count as computed from then on, so the engine may schedule
+the next step before the device has returned this one's tokens (overlapped scheduling). The tokens come back
+through `finish_extend` / `finish_decode`, which apply the stop conditions. A finished request may thus sit in one
+more step than it needed; its extra token is dropped. Preempting needs every token on the host (the request is
+recomputed from them), so `schedule(can_preempt=False)` returns None instead of preempting, and the engine settles
+the step in flight first.
+
+Host work per step is O(1) per request: requests are kept in dicts by id (admission order), and the per-slot tables
+the batches are gathered from (`SlotTables`) are updated only when a request is admitted or gets a page.
 """
 
 import collections
 import math
 
+import numpy as np
+
 from jaxmodels.engine.cache import FreeList, PoolSizes
-from jaxmodels.engine.request import Request
+from jaxmodels.engine.request import Request, RequestStatus
+
+
+class SlotTables:
+    """Per-slot rows the step batches are gathered from: each slot's page-table row and its request's sampling
+    parameters and prompt length. Slot 0 (the null slot of padding rows) keeps zeros: page 0, greedy."""
+
+    def __init__(self, num_slots: int, pages_per_seq: int):
+        self.page_table = np.zeros((num_slots, pages_per_seq), np.int32)
+        self.temperature = np.zeros(num_slots, np.float32)
+        self.top_p = np.ones(num_slots, np.float32)
+        self.top_k = np.zeros(num_slots, np.int32)
+        self.seed = np.zeros(num_slots, np.uint32)
+        self.prompt_len = np.zeros(num_slots, np.int32)
+
+    def admit(self, request: Request) -> None:
+        slot, p = request.slot, request.params
+        self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, max(p.top_k, 0)
+        self.seed[slot], self.prompt_len[slot] = request.seed, len(request.prompt)
+
+    def add_pages(self, request: Request, pages: list[int]) -> None:
+        start = len(request.pages)
+        self.page_table[request.slot, start: start + len(pages)] = pages
+        request.pages += pages
+
+    def clear(self, slot: int) -> None:
+        self.page_table[slot] = 0
+        self.temperature[slot], self.top_p[slot], self.top_k[slot], self.seed[slot] = 0.0, 1.0, 0, 0
+        self.prompt_len[slot] = 0
 
 
 class Scheduler:
@@ -22,8 +62,9 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.free_pages = FreeList(sizes.num_pages, "KV page")
         self.free_slots = FreeList(sizes.num_slots, "state slot")
+        self.slots = SlotTables(sizes.num_slots, sizes.pages_per_seq)
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.running: dict[int, Request] = {}  # by request id, in admission order: the last is preempted first
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -32,19 +73,28 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self):
-        """("extend", [(request, start, length)]) or ("decode", [request]); never empty while work is left."""
+    def schedule(self, can_preempt: bool = True):
+        """("extend", [(request, start, length)]) or ("decode", [request]); None when nothing can run now (every
+        running request waits for tokens in flight) or, with can_preempt=False, when running would need a
+        preemption."""
         while True:
             chunks = self._extend_chunks()
             if chunks:
                 return "extend", chunks
-            batch = self._decode_batch()
+            batch = self._decode_batch(can_preempt)
+            if batch is None:
+                return None
             if batch:
                 return "decode", batch
+            if not any(r.status is RequestStatus.PREFILLING for r in self.running.values()):
+                return None  # only decoding requests that are finishing: their tokens are in flight
             # Only partial prefills hold the pool and none can grow: give back the newest one's pages.
-            if not self.running:
-                raise RuntimeError("scheduler stalled with nothing running; the pool is too small")
-            self._preempt(self.running[-1])
+            if not can_preempt:
+                return None
+            self._preempt(self._newest())
+
+    def _newest(self) -> Request:
+        return self.running[next(reversed(self.running))]
 
     def _pages_for(self, request: Request, end: int) -> int:
         return max(0, math.ceil(end / self.sizes.page_size) - len(request.pages))
@@ -52,11 +102,11 @@ class Scheduler:
     def _extend_chunks(self):
         budget = self.max_prefill_tokens
         chunks = []
-        candidates = [r for r in self.running if not r.decoding] + list(self.waiting)
-        for request in candidates:
+        prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]
+        for request in prefilling + list(self.waiting):
             if budget == 0 or len(chunks) == self.max_batch_size:
                 break
-            admitted = request.slot != 0
+            admitted = request.status is RequestStatus.PREFILLING
             if not admitted and not len(self.free_slots):
                 break
             start = request.num_computed
@@ -67,65 +117,96 @@ class Scheduler:
             if length <= 0:
                 break
             if not admitted:
-                self.waiting.remove(request)
-                request.slot = self.free_slots.take()[0]
-                self.running.append(request)
-            request.pages += self.free_pages.take(self._pages_for(request, start + length))
+                self._admit(self.waiting.popleft())
+            self.slots.add_pages(request, self.free_pages.take(self._pages_for(request, start + length)))
             chunks.append((request, start, length))
             budget -= length
+            request.num_computed = start + length
+            if request.num_computed == len(request.token_ids):
+                request.status = RequestStatus.DECODING  # this chunk's sampled token is its next output
         return chunks
 
-    def _decode_batch(self):
+    def _admit(self, request: Request) -> None:
+        request.slot = self.free_slots.take()[0]
+        request.status = RequestStatus.PREFILLING
+        self.running[request.request_id] = request
+        self.slots.admit(request)
+
+    def _decode_batch(self, can_preempt: bool):
         batch = []
-        for request in list(self.running):
-            if not request.decoding or request not in self.running:
+        for request in list(self.running.values()):
+            if not request.decoding or request.request_id not in self.running:
                 continue
+            if not request.may_grow(self.max_seq_len):
+                continue  # its last tokens are in flight; it finishes when they come back
             while self._pages_for(request, request.num_computed + 1) > len(self.free_pages):
-                victim = self.running[-1]
+                if not can_preempt:
+                    return None
+                victim = self._newest()
                 self._preempt(victim)
                 if victim is request:
                     break
             else:
-                request.pages += self.free_pages.take(self._pages_for(request, request.num_computed + 1))
+                self.slots.add_pages(request, self.free_pages.take(self._pages_for(request,
+                                                                                    request.num_computed + 1)))
                 batch.append(request)
         # A request preempted after it joined the batch must not run.
-        return [r for r in batch if r in self.running]
+        batch = [r for r in batch if r.request_id in self.running]
+        for request in batch:
+            request.num_computed += 1
+        return batch
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
         request.num_computed = 0
-        request.decoding = False
+        request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
     def _release(self, request: Request) -> None:
-        self.running.remove(request)
+        del self.running[request.request_id]
         self.free_pages.give_back(request.pages)
         self.free_slots.give_back([request.slot])
+        self.slots.clear(request.slot)
         request.pages, request.slot = [], 0
 
+    def abort(self, request: Request) -> bool:
+        """Finish `request` now with reason "abort", freeing whatever it holds; False if it already finished."""
+        if request.finished:
+            return False
+        if request.request_id in self.running:
+            self._release(request)
+        else:
+            self.waiting.remove(request)  # O(queue), but only on an abort
+        self._finish(request, "abort")
+        return True
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.status = RequestStatus.FINISHED
+
     def finish_extend(self, chunks, sampled) -> list[Request]:
-        """Account for an extend step; sampled[i] is the token drawn after chunk i. Returns requests that got a
-        token."""
+        """Account for an extend step's tokens; sampled[i] is the token drawn after chunk i. Returns the requests
+        that got a token (those whose chunk completed their prompt)."""
         got = []
         for (request, start, length), token in zip(chunks, sampled):
-            request.num_computed = start + length
-            if request.num_computed == len(request.token_ids):
-                request.decoding = True
+            if start + length == len(request.token_ids) and not request.finished:
                 self._append(request, int(token))
                 got.append(request)
         return got
 
     def finish_decode(self, batch, sampled) -> list[Request]:
+        got = []
         for request, token in zip(batch, sampled):
-            request.num_computed += 1
-            self._append(request, int(token))
-        return list(batch)
+            if not request.finished:  # a token past a stop that was still in flight is dropped
+                self._append(request, int(token))
+                got.append(request)
+        return got
 
     def _append(self, request: Request, token: int) -> None:
         request.output.append(token)
         request.token_ids.append(token)
         reason = request.stop_reason(token, self.max_seq_len)
         if reason is not None:
-            request.finish_reason = reason
             self._release(request)
+            self._finish(request, reason)

@@ -4,12 +4,16 @@ jitted step (nnx.merge costs nothing at run time, so the steps run the same laye
 from flax import nnx
 
 from jaxmodels.models.registry import merge_params, model_params
+from jaxmodels.precision import matmul_precision_for
 
 
 class ModelStep:
-    def __init__(self, model):
+    def __init__(self, model, *, matmul_precision: str | None = None):
         self.config = model.config
         self.dtype = model.dtype
+        # The model's own precision (its dtype's, or what load_model was told) unless the engine overrides it.
+        self.matmul_precision = (matmul_precision_for(self.dtype, matmul_precision) if matmul_precision
+                                 else model.matmul_precision)
         self.graphdef, self.state = nnx.split(model)
         self.params = model_params(model)
 

@@ -1,9 +1,11 @@
-"""Grouped-query attention without positional encoding (Nemotron-H's `*` layers)."""
+"""Grouped-query attention without positional encoding (Nemotron-H's `*` layers): dense causal over whole sequences,
+and packed over a paged KV cache for the engine (the kernel and its reference are in pallas_kernels)."""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels
 from jaxmodels.layers.linear import linear
 
 
@@ -43,23 +45,6 @@ def write_pages(pages, new, token_pages, positions):
     return pages.at[page, positions % page_size].set(new.astype(pages.dtype))
 
 
-def paged_attention(q, k_pages, v_pages, token_pages, positions, *, scale: float):
-    """Causal GQA of packed queries over a paged cache: q[T,H,d] -> [T,H,d].
-
-    Token t sees the cached keys at positions 0..positions[t] of its own page-table row token_pages[t]. Keys are
-    gathered per token: simple and exact, the XLA reference a paged-attention kernel would replace on the GPU.
-    """
-    num_tokens, heads, head_dim = q.shape
-    kv_heads = k_pages.shape[2]
-    keys = k_pages[token_pages].reshape(num_tokens, -1, kv_heads, head_dim)  # [T, P*page_size, Hk, d]
-    values = v_pages[token_pages].reshape(num_tokens, -1, kv_heads, head_dim)
-    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # [T, S]
-    # Unwritten cache rows may hold anything (even NaN in the null page); zeroing them keeps 0 * NaN out of the sum.
-    values = jnp.where(visible[:, :, None, None], values, 0)
-    # Each token is its own one-query "sequence" over its gathered keys.
-    return masked_gqa(q[:, None], keys, values, visible[:, None, :], scale=scale)[:, 0]
-
-
 class GQAAttention(nnx.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, rngs: nnx.Rngs,
                  dtype=jnp.float32, sliding_window: int | None = None):
@@ -78,14 +63,20 @@ class GQAAttention(nnx.Module):
         out = causal_attention(q, k, v, scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(batch, seq, -1))
 
-    def forward_paged(self, x: jax.Array, k_pages, v_pages, token_pages, positions):
-        """Packed tokens x[T,D] at `positions`[T], with paged KV caches: writes their keys and values, attends over
-        everything cached for their request up to themselves -> (out[T,D], k_pages, v_pages)."""
+    def forward_paged(self, x: jax.Array, k_pages, v_pages, *, token_pages, page_table, cu_seqlens, positions):
+        """Packed tokens x[T,D] of the sequences of `cu_seqlens`[S+1] at `positions`[T], with paged KV caches:
+        writes their keys and values, attends over everything cached for their sequence up to themselves
+        (`pallas_kernels.paged_attention`) -> (out[T,D], k_pages, v_pages).
+
+        token_pages[T, P] is each token's page-table row (zeros for padding tokens, so they write the null page);
+        page_table[S, P] the sequences' rows.
+        """
         num_tokens = x.shape[0]
         q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
         k_pages = write_pages(k_pages, k, token_pages, positions)
         v_pages = write_pages(v_pages, v, token_pages, positions)
-        out = paged_attention(q, k_pages, v_pages, token_pages, positions, scale=self.head_dim**-0.5)
+        out = pallas_kernels.paged_attention(q, k_pages, v_pages, page_table=page_table, cu_seqlens=cu_seqlens,
+                                             positions=positions, scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(num_tokens, -1)), k_pages, v_pages

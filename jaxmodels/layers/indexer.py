@@ -83,7 +83,8 @@ class LightningIndexer(nnx.Module):
         self.wk = linear(hidden_size, head_dim, rngs=rngs, dtype=dtype)
         self.k_norm = LayerNorm(head_dim, 1e-6, dtype=dtype)
         # Float32 whatever the model dtype: transformers keeps `indexer.weights_proj` in float32 too.
-        self.weights_proj = linear(hidden_size, n_heads, rngs=rngs, dtype=jnp.float32)
+        self.weights_proj = linear(hidden_size, n_heads, rngs=rngs, dtype=jnp.float32,
+                                   precision=jax.lax.Precision.HIGHEST)
 
     def _rope(self, x, cos, sin):
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim:]

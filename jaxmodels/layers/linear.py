@@ -4,11 +4,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, bias: bool = False, dtype=jnp.float32) -> nnx.Linear:
+def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, bias: bool = False, dtype=jnp.float32,
+           precision=None) -> nnx.Linear:
     """An `nnx.Linear` whose parameters and arithmetic are in `dtype`.
 
     Loaded models get their weights from the bridge (built under `nnx.eval_shape`, nothing is initialized); the
-    initializer only matters for models built from scratch.
+    initializer only matters for models built from scratch. `precision` pins the matmul precision of this layer
+    (None: the model's, see jaxmodels.precision).
     """
     return nnx.Linear(
         in_features,
@@ -17,6 +19,7 @@ def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, bias: bool = 
         dtype=dtype,
         param_dtype=dtype,
         kernel_init=nnx.initializers.normal(0.02),
+        precision=precision,
         rngs=rngs,
     )
 

@@ -53,6 +53,24 @@ class Mamba2Mixer(nnx.Module):
         but not in its one-token decode path, so tokens that were first decoded must be recomputed unfloored to
         reproduce the same state.
         """
+        gate, conv_states, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv_states, dt_floor_mask)
+        y, ssm_states = pallas_kernels.ssd_chunk_scan(**scan_args, initial_states=ssm_states)
+        return self._output(y, gate, hidden.dtype), conv_states, ssm_states
+
+    def forward_packed_pooled(self, hidden: jax.Array, cu_seqlens: jax.Array, conv_states, ssm_pool, slot_ids,
+                              has_initial_state, dt_floor_mask=None):
+        """`forward_packed` with the SSM states read from and written to the slot pool in place:
+        -> (out[T,D], conv_states[S,C,K-1], ssm_pool). Sequence s starts from ssm_pool[slot_ids[s]] where
+        has_initial_state[s] (else from zeros) and leaves its final state there; empty sequences touch nothing,
+        so padding rows cost no state traffic (see pallas_kernels.ssd_chunk_scan_pooled)."""
+        gate, conv_states, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv_states, dt_floor_mask)
+        y, ssm_pool = pallas_kernels.ssd_chunk_scan_pooled(**scan_args, state_pool=ssm_pool, slot_ids=slot_ids,
+                                                           has_initial_state=has_initial_state)
+        return self._output(y, gate, hidden.dtype), conv_states, ssm_pool
+
+    def _packed_scan_inputs(self, hidden, cu_seqlens, conv_states, dt_floor_mask):
+        """in_proj and the causal conv of packed tokens -> (gate z, final conv states, the scan's arguments but
+        its states)."""
         gate, xbc, dt = self._project(hidden)
         xbc, conv_states = pallas_kernels.causal_conv1d(
             xbc, self.conv1d.weight[...], self._conv_bias(), cu_seqlens=cu_seqlens, initial_states=conv_states,
@@ -63,10 +81,8 @@ class Mamba2Mixer(nnx.Module):
             dt = jnp.where(dt_floor_mask[:, None], jnp.maximum(dt, self.time_step_min), dt)
             dt_args = dict(dt_bias=None, dt_softplus=False, dt_limit=None)
         x, B, C = self._split_xbc(xbc)
-        y, ssm_states = pallas_kernels.ssd_chunk_scan(
-            x, dt, self._A(), B, C, D=self.D[...], cu_seqlens=cu_seqlens, chunk_size=self.chunk_size,
-            initial_states=ssm_states, **dt_args)
-        return self._output(y, gate, hidden.dtype), conv_states, ssm_states
+        return gate, conv_states, dict(x=x, dt=dt, A=self._A(), B=B, C=C, D=self.D[...], cu_seqlens=cu_seqlens,
+                                       chunk_size=self.chunk_size, **dt_args)
 
     def _project(self, hidden: jax.Array):
         """in_proj split into the gate z, the conv input x‖B‖C and the raw dt."""

@@ -49,7 +49,8 @@ class TopkRouter(nnx.Module):
         self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
 
     def logits(self, x: jax.Array) -> jax.Array:
-        return jnp.dot(x.astype(jnp.float32), self.weight[...].T)
+        # Full float32 whatever the model's matmul precision: expert choice flips on small score differences.
+        return jnp.dot(x.astype(jnp.float32), self.weight[...].T, precision=jax.lax.Precision.HIGHEST)
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int):

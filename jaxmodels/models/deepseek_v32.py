@@ -24,6 +24,7 @@ from jaxmodels.layers.mlp import GatedMLP
 from jaxmodels.layers.moe import MoE
 from jaxmodels.layers.norms import RMSNorm
 from jaxmodels.layers.rope import rope_cos_sin
+from jaxmodels.precision import matmul_precision_for, precision_scope
 
 
 def build_mlp(config: DeepseekV32Config, kind: str, *, rngs: nnx.Rngs, dtype) -> nnx.Module:
@@ -57,10 +58,12 @@ class DeepseekV32DecoderLayer(nnx.Module):
 class DeepseekV32ForCausalLM(nnx.Module):
     HF_BASE_PREFIX = "model."  # transformers' layout, and DeepSeek's / Z.ai's published checkpoints
 
-    def __init__(self, config: DeepseekV32Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: DeepseekV32Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 matmul_precision: str | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.matmul_precision = matmul_precision_for(self.dtype, matmul_precision)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
                                       rngs=rngs)
         self.layers = nnx.List([DeepseekV32DecoderLayer(config, i, rngs=rngs, dtype=dtype)
@@ -79,12 +82,13 @@ class DeepseekV32ForCausalLM(nnx.Module):
         keys and values, as prefill would); both attend to the same indexer-selected keys.
         """
         input_ids = jnp.asarray(input_ids, jnp.int32)
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(jnp.arange(input_ids.shape[1]), self.config.rope)
-        indices = None
-        for layer in self.layers:
-            hidden, indices = layer(hidden, cos, sin, indices, mla_path=mla_path)
-        return self.logits(self.norm(hidden))
+        with precision_scope(self.matmul_precision):
+            hidden = self.embed_tokens(input_ids)
+            cos, sin = rope_cos_sin(jnp.arange(input_ids.shape[1]), self.config.rope)
+            indices = None
+            for layer in self.layers:
+                hidden, indices = layer(hidden, cos, sin, indices, mla_path=mla_path)
+            return self.logits(self.norm(hidden))
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

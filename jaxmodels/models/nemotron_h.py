@@ -16,6 +16,7 @@ from jaxmodels.layers.mlp import MLP
 from jaxmodels.layers.moe import MoE
 from jaxmodels.layers.linear import linear, lm_logits
 from jaxmodels.layers.norms import RMSNorm
+from jaxmodels.precision import matmul_precision_for, precision_scope
 
 
 def build_mixer(config: NemotronHConfig, kind: str, *, rngs: nnx.Rngs, dtype) -> nnx.Module:
@@ -55,10 +56,12 @@ class NemotronHBlock(nnx.Module):
 class NemotronHForCausalLM(nnx.Module):
     HF_BASE_PREFIX = "backbone."  # NVIDIA's published checkpoints; transformers writes the same on save
 
-    def __init__(self, config: NemotronHConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: NemotronHConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 matmul_precision: str | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.matmul_precision = matmul_precision_for(self.dtype, matmul_precision)
         self.embeddings = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
                                     rngs=rngs)
         self.layers = nnx.List([NemotronHBlock(config, kind, rngs=rngs, dtype=dtype) for kind in config.layer_types])
@@ -71,7 +74,8 @@ class NemotronHForCausalLM(nnx.Module):
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         """int32[B,T] -> float32[B,T,V]: full causal forward, no cache."""
-        hidden = self.embeddings(jnp.asarray(input_ids, jnp.int32))
-        for block in self.layers:
-            hidden = block(hidden)
-        return self.logits(self.norm_f(hidden))
+        with precision_scope(self.matmul_precision):
+            hidden = self.embeddings(jnp.asarray(input_ids, jnp.int32))
+            for block in self.layers:
+                hidden = block(hidden)
+            return self.logits(self.norm_f(hidden))

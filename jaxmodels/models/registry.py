@@ -24,10 +24,10 @@ def param_path(key: tuple) -> str:
     return ".".join(str(part) for part in key)
 
 
-def abstract_model(config, dtype):
+def abstract_model(config, dtype, matmul_precision: str | None = None):
     """(graphdef, abstract state, {dotted path: ShapeDtypeStruct}) of the model, allocating no weight."""
     dtype = jnp.dtype(dtype)
-    return abstract_module(lambda: model_class(config)(config, dtype=dtype))
+    return abstract_module(lambda: model_class(config)(config, dtype=dtype, matmul_precision=matmul_precision))
 
 
 def abstract_module(factory):

@@ -236,3 +236,55 @@ def test_text_prompts_use_the_checkpoint_tokenizer(dense, tmp_path):
     assert out.prompt_token_ids == [5, 17, 40, 8]
     assert out.token_ids == hf_greedy(hf_model, [5, 17, 40, 8])
     assert out.text == tokenizer.decode(out.token_ids)
+
+
+def test_overlapped_loop_gives_the_plain_loops_tokens(tmp_path):
+    """Overlap schedules step N+1 before step N's tokens are read: outputs must not change, with stop tokens that
+    end requests mid-flight and a pool small enough to force preemptions."""
+    path = save(make_nemotron_h("dense"), tmp_path / "ckpt")
+    limits = dict(dtype="float32", max_batch_size=4, max_seq_len=64, max_prefill_tokens=8, page_size=8, num_pages=9,
+                  warmup=False, progress=False)
+    plain, overlapped = (jaxmodels.LLM(path, overlap=overlap, **limits) for overlap in (False, True))
+    prompts = random_prompts([20, 25, 12, 27, 18, 3], seed=3)
+    free_run = plain.generate(prompts, SamplingParams(max_new_tokens=15, temperature=0.0, ignore_eos=True))
+    # Stop tokens that end some requests after a few tokens, while their next step is already in flight.
+    stops = tuple({free_run[0].token_ids[3], free_run[4].token_ids[6]})
+    params = [SamplingParams(max_new_tokens=15, temperature=0.0, ignore_eos=True, stop_token_ids=stops),
+              SamplingParams(max_new_tokens=12, temperature=0.8, top_k=10, seed=7, stop_token_ids=stops)] * 3
+    expected = plain.generate(prompts, params)
+    got = overlapped.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
+    assert "stop" in {o.finish_reason for o in got}
+    assert overlapped.engine.scheduler.num_preemptions > 0
+
+
+def test_abort_frees_the_slot_and_pages_and_others_finish(dense):
+    _, _, llm = dense
+    engine = llm.engine
+    prompts = random_prompts([9, 14, 5], seed=11)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    alone = llm.generate([prompts[0], prompts[2]], params)
+    requests = [engine.add_request(p, params) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    engine.abort(requests[1].request_id)
+    finished = {}
+    while engine.has_work():
+        for request in engine.step():
+            if request.finished:
+                finished[request.request_id] = request
+    assert finished[requests[1].request_id].finish_reason == "abort"
+    assert [finished[r.request_id].output for r in (requests[0], requests[2])] == [o.token_ids for o in alone]
+    metrics = llm.metrics()
+    assert (metrics["running"], metrics["waiting"], metrics["slots_used"], metrics["kv_pages_used"]) == (0, 0, 0, 0)
+
+
+def test_metrics_report_host_and_wall_time_per_step(dense):
+    _, _, llm = dense
+    llm.engine.reset_metrics()
+    outs = llm.generate(random_prompts([6, 10], seed=12), GREEDY)
+    metrics = llm.metrics()
+    assert metrics["steps"] == metrics["extend_steps"] + metrics["decode_steps"] > 0
+    assert 0 < metrics["host_s_per_step"] <= metrics["wall_s_per_step"]
+    assert metrics["generated_tokens"] == sum(len(o.token_ids) for o in outs)

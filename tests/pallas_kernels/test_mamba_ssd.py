@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import mamba_ssd
-from pallas_kernels.mamba_ssd import ssd_chunk_scan
+from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
 
 IMPLS = ["xla", "pallas"]
 
@@ -152,6 +152,103 @@ def test_chunk_table_never_mixes_sequences():
             assert cu[s] <= st and st + ln <= cu[s + 1]
             covered[st:st + ln] += 1
     assert np.all(covered[:33] == 1) and np.all(covered[33:] == 0)
+
+
+# Pooled variant. One packing of 7 sequence rows on a pool of 9 slots: row 0 continues from slot 3 with 11 tokens (not
+# a multiple of the chunk), rows 1, 5, 6 are padding on slot 0 (two of them flagged as continuing: they must still
+# read nothing), row 2 continues from slot 5 with 1 token, row 3 starts fresh on slot 6, row 4 continues from slot 1
+# with 21 tokens (two kernel blocks of 16, the last one short). Slots 2, 4, 7, 8 are idle.
+POOL_SLOTS = [3, 0, 5, 6, 1, 0, 0]
+POOL_HAS_INIT = [True, True, True, False, True, False, True]
+POOL_CU = [0, 11, 11, 12, 21, 42, 42, 42]
+NUM_SLOTS = 9
+
+
+def make_pool(rng, H, P, N, dtype):
+    """Random states in the slots that continuing sequences read and NaN in every other slot (the null slot, idle
+    slots, the fresh sequence's slot): a read of any of those would put NaN into y or a final state."""
+    pool = np.full((NUM_SLOTS, H, P, N), np.nan, np.float32)
+    for slot, has_init, n in zip(POOL_SLOTS, POOL_HAS_INIT, np.diff(POOL_CU)):
+        if has_init and n:
+            pool[slot] = rng.standard_normal((H, P, N))
+    return jnp.asarray(pool, dtype)
+
+
+def run_pooled(inp, pool, cu, chunk_size, impl, interpret=None):
+    return ssd_chunk_scan_pooled(
+        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"], dt_bias=inp["dt_bias"],
+        cu_seqlens=jnp.asarray(cu, jnp.int32), chunk_size=chunk_size, state_pool=pool,
+        slot_ids=jnp.asarray(POOL_SLOTS, jnp.int32), has_initial_state=jnp.asarray(POOL_HAS_INIT), impl=impl,
+        interpret=(impl == "pallas") if interpret is None else interpret)
+
+
+def pooled_reference(inp, pool, cu, chunk_size):
+    """The unpooled XLA scan from the states the pooled call must read: (y, final states of the non-empty rows,
+    their slots)."""
+    live = np.diff(cu) > 0
+    reads = live & np.asarray(POOL_HAS_INIT)
+    init = np.where(reads[:, None, None, None], np.asarray(pool.astype(jnp.float32))[POOL_SLOTS], 0.0)
+    y, fin = run(dict(inp, init=jnp.asarray(init)), cu, chunk_size, "xla")
+    return y, np.asarray(fin)[live], np.asarray(POOL_SLOTS)[live]
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_pooled_matches_unpooled(impl, pool_dtype):
+    T, H, P, G, N, L = 48, 4, 5, 2, 6, 8  # tokens 42..47 are bucket padding
+    rng = np.random.default_rng(21)
+    inp = make_inputs(rng, T, H, P, G, N, len(POOL_SLOTS), with_init=False)
+    pool = make_pool(rng, H, P, N, pool_dtype)
+    y_ref, fin_ref, written = pooled_reference(inp, pool, POOL_CU, L)
+    y, new_pool = run_pooled(inp, pool, POOL_CU, L, impl)
+    idle = np.setdiff1d(np.arange(NUM_SLOTS), written)
+    # The pool's values are exact in float32, so y is the unpooled scan's (to the 1e-5 of the tests above); a
+    # bfloat16 pool rounds each final state once, at most 2^-9 relative per element.
+    state_tol = 1e-5 if pool_dtype == jnp.float32 else 2.0 ** -8
+    assert new_pool.dtype == pool_dtype
+    assert rel(y, y_ref) < 1e-5
+    assert np.all(np.asarray(y)[POOL_CU[-1]:] == 0)
+    assert rel(np.asarray(new_pool.astype(jnp.float32))[written], fin_ref) < state_tol
+    assert np.array_equal(bits(new_pool)[idle], bits(pool)[idle])
+
+
+@pytest.mark.parametrize("bad", ["state_pool", "slot_ids"])
+def test_pooled_rejects_mismatched_pool(bad):
+    T, H, P, G, N, L = 48, 4, 5, 2, 6, 8
+    inp = make_inputs(np.random.default_rng(0), T, H, P, G, N, len(POOL_SLOTS), with_init=False)
+    pool = jnp.zeros((NUM_SLOTS, H, P, N + (bad == "state_pool")))
+    slots = jnp.zeros((len(POOL_SLOTS) + (bad == "slot_ids"),), jnp.int32)
+    with pytest.raises(ValueError, match=bad):
+        ssd_chunk_scan_pooled(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
+                              dt_bias=inp["dt_bias"], cu_seqlens=jnp.asarray(POOL_CU, jnp.int32), chunk_size=L,
+                              state_pool=pool, slot_ids=slots, has_initial_state=jnp.ones((len(POOL_SLOTS),), bool),
+                              impl="xla")
+
+
+@pytest.mark.gpu
+def test_compiled_pooled_kernel_on_gpu():
+    """The compiled pooled kernel at Nano-9B's shape (bf16 inputs, float32 pool), with the pool donated into a jit
+    as the engine does, against the XLA path: bf16 to 1e-2 as in `test_bf16_inputs`, idle slots bit-identical."""
+    H, P, N, G, L = 128, 80, 128, 8, 128
+    cu = [0, 75, 75, 76, 141, 300, 300, 300]  # 159 tokens: four kernel blocks of 32 and a short one
+    T = 320
+    rng = np.random.default_rng(5)
+    inp = make_inputs(rng, T, H, P, G, N, len(POOL_SLOTS), dtype=jnp.bfloat16, with_init=False)
+    pool = make_pool(rng, H, P, N, jnp.float32)
+    step = jax.jit(lambda pool, inp: run_pooled(inp, pool, cu, L, "pallas", interpret=False), donate_argnums=0)
+    y_k, pool_k = step(jnp.array(pool), inp)
+    y_x, pool_x = run_pooled(inp, pool, cu, L, "xla")
+    written = np.asarray(POOL_SLOTS)[np.diff(cu) > 0]
+    idle = np.setdiff1d(np.arange(NUM_SLOTS), written)
+    assert rel(y_k.astype(jnp.float32), y_x.astype(jnp.float32)) < 1e-2
+    assert np.all(np.asarray(y_k.astype(jnp.float32))[cu[-1]:] == 0)
+    assert rel(np.asarray(pool_k)[written], np.asarray(pool_x)[written]) < 1e-2
+    assert np.array_equal(bits(pool_k)[idle], bits(pool)[idle])
 
 
 @pytest.mark.gpu
