@@ -1,31 +1,41 @@
-"""Our serving engine against transformers' `generate` on the same random model, GPU, batch and lengths.
+"""The serving benchmark: our engine on random weights made on the device, at a real model's shapes.
 
-    python -m jaxmodels bench --config bench/configs/nemotron_h_nano9b.json --layers 8 --batch 16 \
-        --prompt-len 512 --new-tokens 128
+    python -m jaxmodels bench --config bench/configs/nemotron_h_nano9b.json [--compare-transformers]
 
-(`bench/engine_vs_transformers.py` runs the same from a checkout without installing.)
+Phases (`--phases`, all by default):
+  * decode: for each concurrency B of `--batches`, B prompts of `--prompt-len` tokens submitted at once, then
+    `--decode-steps` decode steps; the median wall time of the steady decode steps (every row a real request) is the
+    step time (with overlapped scheduling and host time below it, that is the device's), beside the host time per
+    step and the floor: the bytes the step must move (weights, active experts only, KV / state) at 4.25 TB/s.
+  * prefill: one prompt of `--prefill-len` tokens and one output token; time to the first token (median of three)
+    against the FLOP floor at 810 TFLOP/s.
+  * serve: `--serve` requests of `--serve-in` tokens in and `--serve-out` out, all at once and then with Poisson
+    arrivals at `--arrival-rate` requests/s: output tok/s, TTFT and inter-token latency p50 / p99, host time per
+    step.
+Peak device memory is reported at the end. `--compare-transformers` first runs transformers' `generate` on the same
+config (its own random weights) in a separate process (`jaxmodels.benchmark_transformers`), so the two never share
+GPU memory, at the sizes it can hold. `--profile DIR` traces a few decode steps at the largest batch and one
+prefill with `jax.profiler` and prints the per-op table (`jaxmodels.profiling`).
 
-One random transformers model is built from the config (optionally cut to its first `--layers` layers) and our
-model is made from the same weights in memory (`bridge.from_torch`). Both generate greedily, exactly
-`--new-tokens` tokens for every prompt (EOS ignored), from the same prompts. Times are wall-clock around the whole
-call (our engine returns host tokens, so it has synchronized; torch is synchronized explicitly), after one warm-up
-call each; our bucket compilation is reported apart. The floor is the weight bytes read once per decode step at the
-copy bandwidth (KV and state traffic ignored, so the real floor is a little higher).
-
-The last line is the headline: our decode-inclusive tokens/s over transformers'.
+The last line is the headline.
 """
 
 import argparse
+import dataclasses
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
 
-COPY_BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy measured on the H200 (DESIGN.md)
+from jaxmodels.benchmark_floors import decode_floor_s, model_costs, prefill_floor_s
 
 
 def cut_layers(raw: dict, layers: int | None) -> dict:
-    """The config with only its first `layers` layers (all when None)."""
+    """The config with only its first `layers` layers (all when None); comment keys dropped."""
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     if layers is None:
         return raw
@@ -36,95 +46,303 @@ def cut_layers(raw: dict, layers: int | None) -> dict:
     return raw
 
 
-def build_transformers_model(raw: dict, dtype: str, device: str):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def random_model(raw: dict, dtype: str):
+    """Our model for `raw` with random weights, initialised directly on the default device."""
+    import jax.numpy as jnp
+    from flax import nnx
 
-    config = AutoConfig.for_model(**raw)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    return model.eval()
+    from jaxmodels.configs import load_config
+    from jaxmodels.models.registry import model_class
+
+    config = load_config(raw)
+    return model_class(config)(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
 
 
-def time_transformers(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, np.ndarray]:
-    import torch
+def percentile_ms(values, q) -> float:
+    return float(np.percentile(values, q) * 1e3) if len(values) else float("nan")
 
-    ids = torch.as_tensor(prompts, device=model.device)
-    # No EOS: exactly n tokens, EOS sampled like any other token (our side: ignore_eos). `min_new_tokens` would
-    # instead forbid EOS and change the greedy choice.
-    model.generation_config.eos_token_id = None
 
-    def run(n):
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
-        if ids.is_cuda:
-            torch.cuda.synchronize()
-        return out
+@dataclasses.dataclass
+class StepLog:
+    """Per-step wall and host seconds of an engine loop, with what each step sent to the device."""
 
-    run(2)
+    wall: list = dataclasses.field(default_factory=list)
+    host: list = dataclasses.field(default_factory=list)
+    launch: list = dataclasses.field(default_factory=list)
+
+    def record(self, engine, start: float, wait_before: float) -> None:
+        wall = time.perf_counter() - start
+        self.wall.append(wall)
+        self.host.append(wall - (engine.times.wait_s - wait_before))
+        self.launch.append(engine.last_launch)
+
+
+def run_engine(engine, arrivals, on_arrival=None, on_token=None, progress=None) -> StepLog:
+    """Step the engine until `arrivals` ([(time offset s, prompt, params)], sorted) are all served;
+    `on_arrival(request, time)` and `on_token(request, time)` see each request join and get each token."""
+    log = StepLog()
     start = time.perf_counter()
-    out = run(new_tokens)
-    return time.perf_counter() - start, out[:, prompts.shape[1]:].cpu().numpy()
+    pending = list(arrivals)[::-1]
+    while pending or engine.has_work():
+        now = time.perf_counter() - start
+        while pending and pending[-1][0] <= now:
+            offset, prompt, params = pending.pop()
+            request = engine.add_request(prompt, params)
+            if on_arrival is not None:
+                on_arrival(request, start + offset)
+        if not engine.has_work():
+            time.sleep(max(0.0, pending[-1][0] - now))
+            continue
+        step_start, wait_before = time.perf_counter(), engine.times.wait_s
+        updated = engine.step()
+        log.record(engine, step_start, wait_before)
+        if on_token is not None:
+            now = time.perf_counter()
+            for request in updated:
+                on_token(request, now)
+        if progress is not None:
+            progress.update(len(updated))
+    return log
 
 
-def time_ours(model, prompts: np.ndarray, new_tokens: int, dtype: str, prefill_chunk: int):
-    import jaxmodels
+def decode_phase(llm, costs, batch: int, prompt_len: int, steps: int, vocab: int, rng) -> dict:
+    from jaxmodels import SamplingParams
 
-    batch, prompt_len = prompts.shape
+    prompts = rng.integers(3, vocab, size=(batch, prompt_len)).tolist()
+    params = SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    log = run_engine(llm.engine, [(0.0, p, params) for p in prompts])
+    steady = [i for i in range(1, len(log.launch))
+              if log.launch[i] == ("decode", batch) and log.launch[i - 1] == ("decode", batch)]
+    step_s = float(np.median([log.wall[i] for i in steady]))
+    host_s = float(np.median([log.host[i] for i in steady]))
+    floor = decode_floor_s(costs, batch, prompt_len + steps / 2)
+    return dict(batch=batch, step_ms=step_s * 1e3, tok_s=batch / step_s, host_ms=host_s * 1e3,
+                host_share=host_s / step_s, floor_ms=floor * 1e3, of_floor=floor / step_s)
+
+
+def prefill_phase(llm, costs, length: int, vocab: int, rng, repeats: int = 3) -> dict:
+    from jaxmodels import SamplingParams
+
+    times = []
+    for _ in range(repeats):
+        prompt = rng.integers(3, vocab, size=length).tolist()
+        start = time.perf_counter()
+        run_engine(llm.engine, [(0.0, prompt, SamplingParams(max_new_tokens=1, temperature=0.0))])
+        times.append(time.perf_counter() - start)
+    ttft = float(np.median(times))
+    floor = prefill_floor_s(costs, length)
+    return dict(tokens=length, ttft_ms=ttft * 1e3, tok_s=length / ttft, floor_ms=floor * 1e3, of_floor=floor / ttft)
+
+
+def serve_phase(llm, n: int, len_in: int, len_out: int, rate: float, vocab: int, rng, progress: bool) -> dict:
+    """N requests, all at once (rate 0) or Poisson arrivals at `rate`/s; latency percentiles over requests."""
+    from tqdm.auto import tqdm
+
+    from jaxmodels import SamplingParams
+
+    params = SamplingParams(max_new_tokens=len_out, temperature=0.0, ignore_eos=True)
+    offsets = np.cumsum(rng.exponential(1 / rate, size=n)) if rate > 0 else np.zeros(n)
+    arrivals = [(float(t), rng.integers(3, vocab, size=len_in).tolist(), params) for t in offsets]
+    arrived, token_times = {}, {}
+
+    def on_arrival(request, at):
+        arrived[request.request_id], token_times[request.request_id] = at, []
+
+    def on_token(request, at):
+        token_times[request.request_id].append(at)
+
+    llm.engine.reset_metrics()
     start = time.perf_counter()
-    # Two executables: every prompt arrives at once, so extends are full `prefill_chunk`-token chunks and every
-    # decode step runs the whole batch (all requests stop together).
-    llm = jaxmodels.LLM(None, model=model, dtype=dtype, max_batch_size=batch, max_seq_len=prompt_len + new_tokens + 1,
-                        prefill_sizes=[prefill_chunk], decode_sizes=[batch])
-    compile_s = time.perf_counter() - start
-    params = jaxmodels.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:, :8].tolist(), jaxmodels.SamplingParams(max_new_tokens=2, temperature=0.0))
-    start = time.perf_counter()
-    outs = llm.generate(prompts.tolist(), params)
+    with tqdm(total=n * len_out, desc=f"serve {n} x {len_in}/{len_out}", disable=not progress, unit="tok") as bar:
+        run_engine(llm.engine, arrivals, on_arrival, on_token, bar)
     elapsed = time.perf_counter() - start
-    return elapsed, compile_s, np.array([o.token_ids for o in outs])
+    ttft = [token_times[i][0] - arrived[i] for i in token_times]
+    itl = np.concatenate([np.diff(t) for t in token_times.values()])
+    metrics = llm.metrics()
+    return dict(requests=n, rate=rate, seconds=elapsed, out_tok_s=n * len_out / elapsed,
+                ttft_p50_ms=percentile_ms(ttft, 50), ttft_p99_ms=percentile_ms(ttft, 99),
+                itl_p50_ms=percentile_ms(itl, 50), itl_p99_ms=percentile_ms(itl, 99),
+                host_ms_per_step=metrics["host_s_per_step"] * 1e3, host_share=metrics["host_fraction"],
+                preemptions=metrics["preemptions"])
 
 
-def main(argv=None, prog: str | None = None) -> None:
+def run_transformers(config_path: str, args) -> dict:
+    """The comparator in its own process (torch and JAX never share the GPU's memory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "transformers.json")
+        command = [sys.executable, "-m", "jaxmodels.benchmark_transformers", "--config", config_path,
+                   "--batches", ",".join(map(str, args.batches)), "--prompt-len", str(args.prompt_len),
+                   "--decode-steps", str(args.decode_steps), "--prefill-len", str(args.prefill_len),
+                   "--dtype", args.dtype, "--device", args.torch_device, "--json", out]
+        if args.layers:
+            command += ["--layers", str(args.layers)]
+        subprocess.run(command, check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def profile_phases(llm, costs, args, vocab, rng, directory: str) -> None:
+    import jax
+
+    from jaxmodels.profiling import format_op_table, op_table
+
+    steps = 8
+    batch = max(args.batches)
+    for name, run in (("decode", lambda: decode_phase(llm, costs, batch, args.prompt_len, steps, vocab, rng)),
+                      ("prefill", lambda: prefill_phase(llm, costs, args.prefill_len, vocab, rng, repeats=1))):
+        path = os.path.join(directory, name)
+        with jax.profiler.trace(path, create_perfetto_trace=True):
+            run()
+        # The decode trace also holds the prompts' extend steps; its table is read per decode step all the same.
+        print(f"\n## profile: {name} ({'B=%d, %d decode steps' % (batch, steps + 2) if name == 'decode' else '1 prompt'})")
+        print(format_op_table(op_table(path), steps=steps + 2 if name == "decode" else 1))
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Markdown table: columns are (header, key, format)."""
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [format(row[k], f) if isinstance(row.get(k), (int, float)) else str(row.get(k, "-"))
+                 for _, k, f in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv, prog):
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="an HF config.json (real shapes: bench/configs/)")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per extend step (one bucket)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="cuda", help="torch device of the transformers model")
-    args = parser.parse_args(argv)
+    parser.add_argument("--phases", default="decode,prefill,serve")
+    parser.add_argument("--batches", default="1,32,128,256", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--prefill-len", type=int, default=4096)
+    parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per extend step")
+    parser.add_argument("--serve", type=int, default=256, help="requests in the serving run")
+    parser.add_argument("--serve-in", type=int, default=1024)
+    parser.add_argument("--serve-out", type=int, default=1024)
+    parser.add_argument("--arrival-rate", type=float, default=8.0, help="Poisson arrivals per second (0: skip)")
+    parser.add_argument("--mamba-ssm-cache-dtype", default=None)
+    parser.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next")
+    parser.add_argument("--compare-transformers", action="store_true")
+    parser.add_argument("--torch-device", default="cuda")
+    parser.add_argument("--profile", default=None, help="directory for jax.profiler traces")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def engine_limits(args, phases) -> dict:
+    """One engine for every phase: decode buckets are the sweep's sizes and powers of two (for the serving run's
+    shrinking batches), prefill buckets a small and a full chunk."""
+    max_batch = max([*args.batches, args.serve if "serve" in phases else 1])
+    sizes = {b for b in args.batches if b <= max_batch} | {max_batch}
+    size = 1
+    while size < max_batch and "serve" in phases:
+        sizes.add(size)
+        size *= 2
+    lengths = [args.prompt_len + args.decode_steps + 2]
+    if "prefill" in phases:
+        lengths.append(args.prefill_len + 1)
+    if "serve" in phases:
+        lengths.append(args.serve_in + args.serve_out)
+    return dict(max_batch_size=max_batch, max_seq_len=max(lengths) + 1, decode_sizes=sorted(sizes),
+                prefill_sizes=sorted({min(256, args.prefill_chunk), args.prefill_chunk}))
+
+
+def main(argv=None, prog: str | None = None) -> None:
+    args = parse_args(argv, prog)
+    phases = set(args.phases.split(","))
+    with open(args.config) as f:
+        raw = cut_layers(json.load(f), args.layers)
+    results = {"config": args.config, "layers": args.layers or "all", "dtype": args.dtype}
+    if args.compare_transformers:  # first: its process must be gone before JAX takes the GPU
+        results["transformers"] = run_transformers(args.config, args)
 
     import jax
 
-    from bridge import from_torch
+    import jaxmodels
+    from jaxmodels.models.registry import model_params
 
-    with open(args.config) as f:
-        raw = cut_layers(json.load(f), args.layers)
-    hf_model = build_transformers_model(raw, args.dtype, args.device)
-    model = from_torch(hf_model, args.dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
-    prompts = np.random.default_rng(0).integers(3, raw["vocab_size"], size=(args.batch, args.prompt_len))
+    model = random_model(raw, args.dtype)
+    costs = model_costs(model.config, model_params(model), args.dtype, args.mamba_ssm_cache_dtype)
+    start = time.perf_counter()
+    llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, overlap=not args.no_overlap,
+                        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, progress=not args.no_progress,
+                        **engine_limits(args, phases))
+    results["compile_s"] = time.perf_counter() - start
+    vocab = raw["vocab_size"]
+    rng = np.random.default_rng(0)
+    run_engine(llm.engine, [(0.0, [5] * 8, jaxmodels.SamplingParams(max_new_tokens=4, temperature=0.0))])
+    device = jax.devices()[0]
+    print(f"\nmodel {raw['model_type']} ({args.layers or 'all'} layers, "
+          f"{costs.dense_weight_bytes / 1e9 + costs.moe_layers * costs.num_experts * costs.expert_bytes / 1e9:.1f} GB "
+          f"of weights, {args.dtype}) on {device.device_kind}; buckets compiled in {results['compile_s']:.1f} s")
 
-    hf_s, hf_tokens = time_transformers(hf_model, prompts, args.new_tokens)
-    del hf_model
-    ours_s, compile_s, our_tokens = time_ours(model, prompts, args.new_tokens, args.dtype, args.prefill_chunk)
+    if "decode" in phases:
+        results["decode"] = [decode_phase(llm, costs, b, args.prompt_len, args.decode_steps, vocab, rng)
+                             for b in args.batches]
+    if "prefill" in phases:
+        results["prefill"] = prefill_phase(llm, costs, args.prefill_len, vocab, rng)
+    if "serve" in phases:
+        results["serve"] = [serve_phase(llm, args.serve, args.serve_in, args.serve_out, rate, vocab, rng,
+                                        not args.no_progress)
+                            for rate in ([0.0, args.arrival_rate] if args.arrival_rate else [0.0])]
+    stats = device.memory_stats() or {}
+    results["peak_memory_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
+    if args.profile:
+        profile_phases(llm, costs, args, vocab, rng, args.profile)
+    report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
-    generated = args.batch * args.new_tokens
-    floor_s = args.new_tokens * weight_bytes / COPY_BANDWIDTH
-    agree = float((hf_tokens[:, :8] == our_tokens[:, :8]).mean())
-    print(f"model {raw['model_type']} ({args.layers or 'all'} layers, {weight_bytes / 1e9:.2f} GB of weights, "
-          f"{args.dtype}), batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"{jax.devices()[0].device_kind}")
-    print(f"{'':14s}{'seconds':>10s}{'tokens/s':>12s}")
-    print(f"{'transformers':14s}{hf_s:10.3f}{generated / hf_s:12.1f}")
-    print(f"{'jaxmodels':14s}{ours_s:10.3f}{generated / ours_s:12.1f}   (+{compile_s:.1f} s bucket compilation)")
-    print(f"{'decode floor':14s}{floor_s:10.3f}{generated / floor_s:12.1f}   (weights read once per step)")
-    print(f"first 8 greedy tokens equal to transformers': {agree:.0%} of positions")
-    print(f"headline: jaxmodels {generated / ours_s:.1f} tokens/s = {hf_s / ours_s:.2f}x transformers")
+
+def report(results: dict) -> None:
+    theirs = results.get("transformers", {})
+    if "decode" in results:
+        their_decode = {row["batch"]: row for row in theirs.get("decode", [])}
+        for row in results["decode"]:
+            theirs_row = their_decode.get(row["batch"], {})
+            row["transformers_tok_s"] = theirs_row.get("tok_s", theirs_row.get("error", "-"))
+        print("\n### decode (steady steps, all rows real)")
+        print(table(results["decode"], [("B", "batch", "d"), ("ms / step", "step_ms", ".2f"),
+                                        ("tok/s", "tok_s", ",.0f"), ("host ms / step", "host_ms", ".2f"),
+                                        ("host share", "host_share", ".1%"), ("floor ms", "floor_ms", ".2f"),
+                                        ("% of floor", "of_floor", ".0%"),
+                                        ("transformers tok/s", "transformers_tok_s", ",.0f")]))
+    if "prefill" in results:
+        row = results["prefill"]
+        their_prefill = theirs.get("prefill", {})
+        row["transformers_tok_s"] = their_prefill.get("tok_s", their_prefill.get("error", "-"))
+        print("\n### prefill (one prompt, time to first token)")
+        print(table([row], [("tokens", "tokens", "d"), ("TTFT ms", "ttft_ms", ".1f"), ("tok/s", "tok_s", ",.0f"),
+                            ("floor ms", "floor_ms", ".1f"), ("% of floor", "of_floor", ".0%"),
+                            ("transformers tok/s", "transformers_tok_s", ",.0f")]))
+    if "serve" in results:
+        print("\n### serving run")
+        print(table(results["serve"], [("requests", "requests", "d"), ("arrivals/s", "rate", ".1f"),
+                                       ("seconds", "seconds", ".1f"), ("output tok/s", "out_tok_s", ",.0f"),
+                                       ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT p99 ms", "ttft_p99_ms", ".0f"),
+                                       ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"),
+                                       ("host ms / step", "host_ms_per_step", ".2f"),
+                                       ("host share", "host_share", ".1%"), ("preemptions", "preemptions", "d")]))
+    print(f"\npeak device memory {results['peak_memory_gb']:.1f} GB")
+    print("headline: " + headline(results))
+
+
+def headline(results: dict) -> str:
+    parts = []
+    if "decode" in results:
+        best = max(results["decode"], key=lambda r: r["batch"])
+        parts.append(f"decode B={best['batch']} {best['tok_s']:,.0f} tok/s ({best['step_ms']:.2f} ms/step, host "
+                     f"{best['host_share']:.0%})")
+    if "prefill" in results:
+        parts.append(f"prefill {results['prefill']['tok_s']:,.0f} tok/s")
+    if "serve" in results:
+        parts.append(f"serving {results['serve'][0]['out_tok_s']:,.0f} output tok/s")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

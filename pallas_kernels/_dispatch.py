@@ -1,6 +1,11 @@
 """Choosing between a Pallas kernel and its XLA reference."""
 
+import functools
+import logging
+
 import jax
+
+log = logging.getLogger("pallas_kernels")
 
 IMPLS = ("auto", "pallas", "xla")
 
@@ -9,7 +14,8 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve_impl(impl: str, interpret: bool = False, unsupported: str | None = None) -> str:
+def resolve_impl(impl: str, interpret: bool = False, unsupported: str | None = None,
+                 kernel: str = "kernel") -> str:
     """Return "pallas" or "xla" for a requested `impl`.
 
     `auto` picks the kernel on GPU; on CPU it picks the XLA reference unless `interpret=True` asks for the Pallas
@@ -17,16 +23,28 @@ def resolve_impl(impl: str, interpret: bool = False, unsupported: str | None = N
 
     `unsupported` is the kernel's reason why the compiled (Triton) kernel cannot take these shapes, or None: Triton
     needs power-of-two tiles of at least 16 along matmul dimensions, which real model shapes meet and tiny test
-    models often do not. Then `auto` runs the XLA reference and `pallas` raises. Interpret mode has no such limits.
+    models often do not. Then `auto` runs the XLA reference (logged once per kernel and reason, at debug level) and
+    `pallas` raises. Interpret mode has no such limits.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     choice = ("pallas" if (on_gpu() or interpret) else "xla") if impl == "auto" else impl
     if choice == "pallas" and unsupported and not interpret:
         if impl == "auto":
+            _log_fallback(kernel, unsupported)
             return "xla"
-        raise ValueError(f"the Pallas kernel cannot compile these shapes: {unsupported}; use impl='auto' or 'xla'")
+        raise ValueError(f"the Pallas {kernel} cannot compile these shapes: {unsupported}; use impl='auto' or 'xla'")
     return choice
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(kernel: str, reason: str) -> None:
+    log.debug("%s: running the XLA reference (%s)", kernel, reason)
+
+
+def first_problem(*problems: str | None) -> str | None:
+    """The first of several shape checks that failed, or None."""
+    return next((p for p in problems if p), None)
 
 
 def pow2_tile_problem(name: str, size: int, minimum: int = 16) -> str | None:

@@ -91,6 +91,11 @@ def causal_conv1d_update_xla(x, conv_state, weight, bias, *, slot_ids, activatio
     return y.astype(x.dtype), new_state
 
 
+def pallas_problem(kernel_size: int) -> str | None:
+    """Why the compiled kernels cannot take this conv (they keep a window of K-1 past inputs)."""
+    return f"conv kernel size {kernel_size} < 2" if kernel_size < 2 else None
+
+
 def _check(x, weight, bias):
     Cdim = x.shape[-1]
     if weight.ndim != 2 or weight.shape[0] != Cdim:
@@ -108,7 +113,7 @@ def causal_conv1d(x, weight, bias, *, cu_seqlens, initial_states=None, activatio
     K = weight.shape[1]
     if initial_states is not None and initial_states.shape != (S, x.shape[1], K - 1):
         raise ValueError(f"initial_states must be {(S, x.shape[1], K - 1)}, got {initial_states.shape}")
-    which = resolve_impl(impl, interpret)
+    which = resolve_impl(impl, interpret, pallas_problem(K), "causal_conv1d")
     if which == "xla":
         return causal_conv1d_xla(x, weight, bias, cu_seqlens=cu_seqlens, initial_states=initial_states,
                                  activation=activation)
@@ -125,7 +130,7 @@ def causal_conv1d_update(x, conv_state, weight, bias, *, slot_ids, activation="s
     _check_activation(activation)
     if conv_state.shape[1:] != (x.shape[1], weight.shape[1] - 1):
         raise ValueError(f"conv_state must be [slots, {x.shape[1]}, {weight.shape[1] - 1}], got {conv_state.shape}")
-    which = resolve_impl(impl, interpret)
+    which = resolve_impl(impl, interpret, pallas_problem(weight.shape[1]), "causal_conv1d_update")
     if which == "xla":
         return causal_conv1d_update_xla(x, conv_state, weight, bias, slot_ids=slot_ids, activation=activation)
     from pallas_kernels.causal_conv1d_pallas import causal_conv1d_update_pallas

@@ -123,6 +123,6 @@ def pallas_problem(K: int, block_k: int = 64) -> str | None:
 
 def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", interpret: bool = False, **kernel_options):
     """See the module docstring."""
-    if resolve_impl(impl, interpret, pallas_problem(x.shape[1])) == "xla":
+    if resolve_impl(impl, interpret, pallas_problem(x.shape[1]), "grouped_matmul") == "xla":
         return grouped_matmul_reference(x, w, group_sizes)
     return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret, **kernel_options)

@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, pow2_tile_problem, resolve_impl
+from ._dispatch import dot_precision, first_problem, pow2_tile_problem, resolve_impl
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -107,16 +107,21 @@ def indexer_topk_reference(q, weights, k_cache, *, kv_lens, topk, page_table=Non
     return topk_reference(logits, kv_lens.astype(jnp.int32), topk)
 
 
-def pallas_problem(index_heads: int, head_dim: int) -> str | None:
-    """Why the compiled logits kernel cannot take these shapes (its q tile is [index_heads, head_dim])."""
-    return pow2_tile_problem("index_n_heads", index_heads) or pow2_tile_problem("index_head_dim", head_dim)
+def pallas_problem(index_heads: int, head_dim: int, page_size: int = 64) -> str | None:
+    """Why the compiled logits kernel cannot take these shapes (its q tile is [index_heads, head_dim]; its key
+    tiles are whole pages, so the page size, which is the sequence length of a contiguous cache, is a power of
+    two)."""
+    return first_problem(pow2_tile_problem("index_n_heads", index_heads),
+                         pow2_tile_problem("index_head_dim", head_dim),
+                         pow2_tile_problem("page_size (contiguous cache: its length)", page_size, minimum=1))
 
 
 def indexer_topk(q, weights, k_cache, *, kv_lens, topk: int, page_table=None, seq_ids=None, k_scale=None,
                  impl: str = "auto", interpret: bool = False):
     """Top-k key positions per query; see the module docstring for layouts. Returns int32[T, topk], −1 padded."""
     kv_lens = kv_lens.astype(jnp.int32)
-    if resolve_impl(impl, interpret, pallas_problem(q.shape[1], q.shape[2])) == "xla":
+    page_size = k_cache.shape[1]
+    if resolve_impl(impl, interpret, pallas_problem(q.shape[1], q.shape[2], page_size), "indexer_topk") == "xla":
         return indexer_topk_reference(q, weights, k_cache, kv_lens=kv_lens, topk=topk, page_table=page_table,
                                       seq_ids=seq_ids, k_scale=k_scale)
     return indexer_topk_pallas(q, weights, k_cache, kv_lens=kv_lens, topk=topk, page_table=page_table,

@@ -247,7 +247,7 @@ def ssd_chunk_scan(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initia
     """
     _check_shapes(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states)
     dt_limit = _static_dt_limit(dt_limit)
-    which = resolve_impl(impl, interpret)
+    which = resolve_impl(impl, interpret, kernel="ssd_chunk_scan")
     if which == "xla":
         return ssd_chunk_scan_xla(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
                                   chunk_size=chunk_size, initial_states=initial_states, dt_softplus=dt_softplus,
@@ -273,7 +273,7 @@ def ssd_chunk_scan_pooled(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size,
     common = dict(D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_pool=state_pool,
                   slot_ids=slot_ids, has_initial_state=has_initial_state, dt_softplus=dt_softplus,
                   dt_limit=_static_dt_limit(dt_limit))
-    if resolve_impl(impl, interpret) == "xla":
+    if resolve_impl(impl, interpret, kernel="ssd_chunk_scan_pooled") == "xla":
         return ssd_chunk_scan_pooled_xla(x, dt, A, B, C, **common)
     from pallas_kernels.mamba_ssd_pallas import ssd_chunk_scan_pooled_pallas
 

@@ -68,7 +68,7 @@ def ssd_state_update(state, x, dt, A, B, C, *, D, dt_bias, slot_ids, dt_softplus
         raise ValueError(f"heads {H} not a multiple of groups {G}")
     if slot_ids.shape != (Bsz,):
         raise ValueError(f"slot_ids must be [{Bsz}], got {slot_ids.shape}")
-    which = resolve_impl(impl, interpret)
+    which = resolve_impl(impl, interpret, kernel="ssd_state_update")
     if which == "xla":
         return ssd_state_update_xla(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, slot_ids=slot_ids,
                                     dt_softplus=dt_softplus)

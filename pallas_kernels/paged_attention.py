@@ -349,7 +349,7 @@ def paged_attention(q, k_pages, v_pages, *, page_table, cu_seqlens, positions, s
     """See the module docstring. `kernel_options`: block_q, block_k, num_splits, num_warps, num_stages."""
     problem = pallas_problem(q.shape[1], k_pages.shape[2], q.shape[2], q.shape[0], cu_seqlens.shape[0] - 1,
                              kernel_options.get("block_q"), kernel_options.get("block_k", DEFAULT_BLOCK_K))
-    if resolve_impl(impl, interpret, problem) == "xla":
+    if resolve_impl(impl, interpret, problem, "paged_attention") == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_table=page_table, cu_seqlens=cu_seqlens,
                                          positions=positions, scale=float(scale))
     return paged_attention_pallas(q, k_pages, v_pages, page_table=page_table, cu_seqlens=cu_seqlens,

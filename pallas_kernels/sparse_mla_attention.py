@@ -132,7 +132,7 @@ def sparse_mla_attention(q, latent_cache, indices, *, scale: float, kv_lora_rank
     """See the module docstring. `kv_lora_rank` = Dl (value width); D - Dl is the rope part."""
     problem = pallas_problem(q.shape[1], kv_lora_rank, q.shape[2] - kv_lora_rank,
                              kernel_options.get("block_h", 32))
-    if resolve_impl(impl, interpret, problem) == "xla":
+    if resolve_impl(impl, interpret, problem, "sparse_mla_attention") == "xla":
         return sparse_mla_attention_reference(q, latent_cache, indices, scale=scale, kv_lora_rank=kv_lora_rank)
     return sparse_mla_attention_pallas(q, latent_cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
                                        interpret=interpret, **kernel_options)

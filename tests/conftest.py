@@ -1,11 +1,19 @@
-"""Shared pytest set-up: float32 matmuls at full precision and the `gpu` marker that skips on CPU machines."""
+"""Shared pytest set-up: platform markers, and GPU memory taken as needed rather than preallocated.
 
-import jax
-import pytest
+Markers: `gpu` tests need a CUDA GPU and skip elsewhere; `cpu_only` tests check CPU-only behaviour (e.g. that a CPU
+reports no device memory) and skip on a GPU machine. The models set their own matmul precision (float32 models run
+float32 dots everywhere, jaxmodels.precision), so no global precision flag is set here: the GPU run of the parity
+tests checks exactly what users get.
+"""
 
-# Parity tests compare against torch in float32; XLA's default CPU matmul precision is already exact, but set it
-# explicitly so a GPU run of the same tests does not silently use TF32.
-jax.config.update("jax_default_matmul_precision", "highest")
+import os
+
+# Without this JAX takes 75% of the GPU at start: parallel test workers and the subprocesses some tests start (the
+# CLI, the demo) would then run out of memory. No effect on CPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 def _has_gpu() -> bool:
@@ -16,9 +24,9 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    has_gpu = _has_gpu()
+    skip = pytest.mark.skip(reason="checks CPU-only behaviour" if has_gpu else "needs a CUDA GPU")
+    marker = "cpu_only" if has_gpu else "gpu"
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        if marker in item.keywords:
+            item.add_marker(skip)

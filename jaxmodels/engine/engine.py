@@ -103,6 +103,7 @@ class Engine:
         self._live: dict[int, Request] = {}  # unfinished requests by id
         self._aborts: set[int] = set()
         self._inflight: _InFlight | None = None
+        self.last_launch: tuple[str, int] | None = None  # (kind, rows) of the step the last step() sent
         self.times = StepTimes()
 
     def add_request(self, prompt, params: SamplingParams) -> Request:
@@ -148,6 +149,7 @@ class Engine:
             launch = self.runner.launch_extend if kind == "extend" else self.runner.launch_decode
             launched = _InFlight(kind, items, launch(items, self.scheduler.slots))
             self._count(kind, items)
+        self.last_launch = (work[0], len(work[1])) if work is not None else None
         if self._inflight is not None:
             updated += self._collect()  # waits for the previous step; the one just sent is queued behind it
         self._inflight = launched

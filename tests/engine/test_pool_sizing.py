@@ -32,6 +32,7 @@ def test_too_small_a_budget_is_explained(checkpoint):
         pages_within(10_000, step.cache_shapes, sizes)
 
 
+@pytest.mark.cpu_only
 def test_cpu_reports_no_memory():
     with pytest.raises(ValueError, match="memory_fraction needs a GPU"):
         cache.free_device_memory()

@@ -1,4 +1,5 @@
-"""The engine benchmark runs end to end on CPU with a tiny config (its numbers mean nothing here: the GPU run does)."""
+"""The serving benchmark runs end to end on CPU with a tiny config (its numbers mean nothing here: the GPU run does),
+transformers comparator included, and reports every phase."""
 
 import json
 
@@ -13,11 +14,21 @@ TINY = {
 }
 
 
-def test_benchmark_runs_and_our_tokens_agree(tmp_path, capsys):
+def test_benchmark_reports_every_phase(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
-    main(["bench", "--config", str(config), "--layers", "4", "--batch", "3", "--prompt-len", "20", "--new-tokens",
-                "8", "--dtype", "float32", "--device", "cpu", "--prefill-chunk", "32"])
+    results = tmp_path / "results.json"
+    main(["bench", "--config", str(config), "--layers", "4", "--batches", "1,4", "--prompt-len", "12",
+          "--decode-steps", "6", "--prefill-len", "40", "--prefill-chunk", "32", "--serve", "4", "--serve-in", "10",
+          "--serve-out", "5", "--arrival-rate", "50", "--dtype", "float32", "--compare-transformers",
+          "--torch-device", "cpu", "--no-progress", "--json", str(results)])
     out = capsys.readouterr().out
-    assert "first 8 greedy tokens equal to transformers': 100% of positions" in out
-    assert out.strip().splitlines()[-1].startswith("headline: jaxmodels")
+    data = json.loads(results.read_text())
+    assert [row["batch"] for row in data["decode"]] == [1, 4]
+    assert all(row["step_ms"] > 0 and 0 < row["host_share"] <= 1 for row in data["decode"])
+    assert data["prefill"]["tokens"] == 40
+    assert [row["rate"] for row in data["serve"]] == [0.0, 50.0]
+    assert data["serve"][0]["out_tok_s"] > 0
+    assert [row["batch"] for row in data["transformers"]["decode"]] == [1, 4]
+    assert "### serving run" in out
+    assert out.strip().splitlines()[-1].startswith("headline: decode B=4")

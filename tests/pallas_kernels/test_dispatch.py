@@ -42,3 +42,23 @@ def test_tiny_shapes_are_named():
     assert "index_n_heads=4" in itk.pallas_problem(4, 32)
     assert "kv_lora_rank=20" in smla.pallas_problem(16, 20, 16)
     assert "multiple" in smla.pallas_problem(48, 512, 64)
+
+
+def test_auto_falls_back_for_a_contiguous_cache_of_odd_length(monkeypatch):
+    """The model forward's indexer runs over a contiguous cache whose 'page' is the whole sequence: a 21-token prompt
+    is a 21-row page, which the compiled kernel cannot tile; `auto` must run the reference instead of raising."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    assert "page_size" in itk.pallas_problem(64, 128, 21)
+    assert itk.pallas_problem(64, 128, 64) is None
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    q, w, k = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+               enumerate([(21, 16, 32), (21, 16), (1, 21, 32)]))
+    lens = jnp.arange(1, 22, dtype=jnp.int32)
+    got = itk.indexer_topk(q, w, k, kv_lens=lens, topk=8, impl="auto")
+    want = itk.indexer_topk_reference(q, w, k, kv_lens=lens, topk=8)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="page_size"):
+        itk.indexer_topk(q, w, k, kv_lens=lens, topk=8, impl="pallas")

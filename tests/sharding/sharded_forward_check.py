@@ -8,13 +8,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-jax.config.update("jax_default_matmul_precision", "highest")
-
-import jaxmodels  # noqa: E402
-from jaxmodels.models.registry import merge_params, model_params  # noqa: E402
-from sharding import make_mesh, param_partition_specs, shard_params  # noqa: E402
-from sharding.rules import spec_for  # noqa: E402
-from tests.hf_models import make_nemotron_h, save  # noqa: E402
+import jaxmodels
+from jaxmodels.models.registry import merge_params, model_params
+from sharding import make_mesh, param_partition_specs, shard_params
+from sharding.rules import spec_for
+from tests.hf_models import make_nemotron_h, save
 
 
 def main(directory: str) -> None:

@@ -6,10 +6,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-jax.config.update("jax_default_matmul_precision", "highest")
-
-import jaxmodels  # noqa: E402
-from tests.hf_models import make_dsa, make_nemotron_h, save  # noqa: E402
+import jaxmodels
+from tests.hf_models import make_dsa, make_nemotron_h, save
 
 LIMITS = dict(max_batch_size=4, max_seq_len=64, max_prefill_tokens=8, progress=False)
 

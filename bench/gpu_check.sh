@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU check: the whole test suite on one GPU machine (GPU-marked tests run, CPU-only ones skip), then the
+# kernels' compiled-vs-reference checks. Logs and a summary go to $OUT (default ./gpu_check_out).
+#
+#   bash bench/gpu_check.sh            # tests + kernel checks
+#   bash bench/gpu_check.sh tests      # tests only
+#
+# On one H200 (16 cores) the suite runs in 8 workers sharing the GPU: JAX allocates GPU memory as it needs it
+# instead of preallocating 75% per process, XLA's compilations go to a persistent cache, and torch (CPU, for the
+# parity references) keeps to two threads per worker.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=2
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxmodels-jax-cache}
+workers=${GPU_CHECK_WORKERS:-8}
+
+start=$SECONDS
+python3 -m pytest -q -n "$workers" -p no:cacheprovider --durations=15 tests/ 2>&1 | tee "$OUT/gpu_tests.log"
+tests_status=${PIPESTATUS[0]}
+tests_s=$((SECONDS - start))
+
+checks_status=0
+if [ "${1:-all}" != "tests" ]; then
+    python3 bench/attention_kernels.py --check --log "$OUT/attention_kernels.log" || checks_status=1
+    python3 bench/mamba_kernels.py --check --quick --kernels pooled,decode --out "$OUT" || checks_status=1
+    python3 bench/dsa_kernels.py --check --quick --only select,mla,gmm --log "$OUT/dsa_kernels.log" || checks_status=1
+fi
+
+{
+    echo "gpu check $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1),"\
+         "jax $(python3 -c 'import jax; print(jax.__version__)')"
+    echo "tests: exit $tests_status in ${tests_s} s: $(tail -1 "$OUT/gpu_tests.log")"
+    echo "kernel checks: exit $checks_status"
+} | tee "$OUT/summary.txt"
+exit $((tests_status || checks_status))

@@ -1,0 +1,109 @@
+"""Hardware floors for the serving benchmark: the bytes a decode step must move and the FLOPs a prefill must do.
+
+Decode is memory-bound: per step, the weights read once (for MoE only the experts some token of the batch picked),
+every request's KV / latent / index-key cache up to its length, and the Mamba states read and written once.
+Prefill is compute-bound: 2 FLOPs per active parameter per token, plus causal attention. Rates are the H200's
+measured ceilings (DESIGN.md): 4.25 TB/s device-to-device copy, 810 TFLOP/s dense bf16.
+"""
+
+import dataclasses
+
+import numpy as np
+
+COPY_BANDWIDTH = 4.25e12  # bytes/s, read + written
+BF16_PEAK = 810e12  # FLOP/s
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCosts:
+    dense_weight_bytes: float  # everything read every decode step (no embedding table: only B rows are read)
+    expert_bytes: float  # one routed expert of one MoE layer
+    moe_layers: int
+    num_experts: int
+    experts_per_token: int
+    active_params_per_token: float  # multiply-adds per token through the weights (k experts, not all)
+    head_params: float  # the LM head's, which a prefill runs for its last token only
+    cache_bytes_per_token: float  # KV / latent / index keys written once and read by every later step
+    state_bytes_per_request: float  # Mamba SSM + conv state, read and written once per decode step
+    attention: str  # "gqa" or "dsa"
+    attn_layers: int
+    heads: int
+    head_flops_dim: int  # per-head query-key plus probability-value width
+    index_topk: int = 0
+    indexer_flops_per_key: float = 0.0  # indexer multiply-adds per (query, key)
+    dsa_rows_bytes: float = 0.0  # latent row read per selected key, all layers
+
+
+def model_costs(config, params: dict, dtype, ssm_dtype=None) -> ModelCosts:
+    """Costs of a model from its config and its {dotted path: array} params."""
+    itemsize = np.dtype(dtype).itemsize
+    nbytes = {path: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for path, a in params.items()}
+    expert_paths = [p for p in params if ".experts." in p]
+    embedding = sum(b for p, b in nbytes.items() if p.endswith("embedding"))
+    expert_total = sum(nbytes[p] for p in expert_paths)
+    dense = sum(nbytes.values()) - embedding - expert_total
+    num_experts = getattr(config, "n_routed_experts", 0) or 0
+    k = getattr(config, "num_experts_per_tok", 0) or 0
+    moe_layers = len({p.split(".experts.")[0] for p in expert_paths})
+    expert_bytes = expert_total / max(moe_layers * num_experts, 1)
+    active = (dense + moe_layers * k * expert_bytes) / itemsize
+    head = sum(nbytes[p] for p in params if p.startswith("lm_head.")) / itemsize
+    if config.model_type == "nemotron_h":
+        kinds = config.layer_types
+        ssm_itemsize = np.dtype(ssm_dtype or config.mamba_ssm_cache_dtype).itemsize
+        state = kinds.count("mamba") * (
+            config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * ssm_itemsize
+            + config.conv_dim * (config.conv_kernel - 1) * itemsize)
+        attn_layers = kinds.count("attention")
+        cache = attn_layers * 2 * config.num_key_value_heads * config.head_dim * itemsize
+        return ModelCosts(dense, expert_bytes, moe_layers, num_experts, k, active, head, cache, state, "gqa",
+                          attn_layers,
+                          config.num_attention_heads, 2 * config.head_dim)
+    layers = config.num_hidden_layers
+    row = config.kv_lora_rank + config.qk_rope_head_dim
+    indexers = sum(t == "full" for t in config.layer_indexer_types)
+    key_bytes = 1 + 4 if config.indexer_numerics != "exact" else itemsize
+    cache = layers * row * itemsize + indexers * config.index_head_dim * key_bytes
+    return ModelCosts(dense, expert_bytes, moe_layers, num_experts, k, active, head, cache, 0.0, "dsa", layers,
+                      config.num_attention_heads, row + config.kv_lora_rank, index_topk=config.index_topk,
+                      indexer_flops_per_key=indexers * config.index_n_heads * config.index_head_dim,
+                      dsa_rows_bytes=layers * row * itemsize)
+
+
+def experts_touched(costs: ModelCosts, tokens: int) -> float:
+    """Expected distinct experts per MoE layer that `tokens` tokens pick (uniform routing)."""
+    if not costs.num_experts:
+        return 0.0
+    return costs.num_experts * (1 - (1 - costs.experts_per_token / costs.num_experts) ** tokens)
+
+
+def decode_step_bytes(costs: ModelCosts, batch: int, context: float) -> float:
+    """Bytes one decode step of `batch` requests at mean length `context` must move."""
+    weights = costs.dense_weight_bytes + costs.moe_layers * experts_touched(costs, batch) * costs.expert_bytes
+    if costs.attention == "dsa":
+        # Every index key is scored, but only the top-k latent rows are read.
+        per_request = (costs.cache_bytes_per_token - costs.dsa_rows_bytes) * context \
+            + costs.dsa_rows_bytes * min(context, costs.index_topk)
+    else:
+        per_request = costs.cache_bytes_per_token * context
+    return weights + batch * (per_request + 2 * costs.state_bytes_per_request)
+
+
+def decode_floor_s(costs: ModelCosts, batch: int, context: float) -> float:
+    return decode_step_bytes(costs, batch, context) / COPY_BANDWIDTH
+
+
+def prefill_flops(costs: ModelCosts, tokens: int) -> float:
+    """FLOPs of one causal prompt of `tokens` tokens (logits of its last token only)."""
+    positions = np.arange(1, tokens + 1, dtype=np.float64)
+    if costs.attention == "dsa":
+        attended = np.minimum(positions, costs.index_topk).sum()
+        attention = 2 * costs.attn_layers * costs.heads * costs.head_flops_dim * attended \
+            + 2 * costs.indexer_flops_per_key * positions.sum()
+    else:
+        attention = 2 * costs.attn_layers * costs.heads * costs.head_flops_dim * positions.sum()
+    return 2 * (costs.active_params_per_token - costs.head_params) * tokens + 2 * costs.head_params + attention
+
+
+def prefill_floor_s(costs: ModelCosts, tokens: int) -> float:
+    return prefill_flops(costs, tokens) / BF16_PEAK
