@@ -314,6 +314,20 @@ def bench_gmm(quick):
                 t_k = timeit(f, x, w, sizes)
                 row(f"gmm {name} tok={tokens} {opts}", t_k, t_r, floor,
                     f"{flops / t_k / 1e12:.0f} TFLOP/s = {100 * t_d / t_k:.0f}% of dense")
+        # Decode: a few rows per expert, bound by reading the touched experts' weights once.
+        for tokens in [1, 32, 256]:
+            M = tokens * topk
+            x = jax.random.normal(jax.random.key(tokens), (M, K)).astype(jnp.bfloat16)
+            sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
+            touched = int(jnp.sum(sizes > 0))
+            floor = (touched * K * N + M * K + M * N) * 2 / HBM_BPS
+            t_r = timeit(jax.jit(grouped_matmul_reference), x, w, sizes)
+            variants = [dict()] if quick else [dict(block_m=128), dict(), dict(block_m=32), dict(block_n=128),
+                                               dict(block_n=128, num_warps=4)]
+            for opts in variants:
+                f = jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, **opts))
+                row(f"gmm {name} decode B={tokens} {opts}", timeit(f, x, w, sizes), t_r, floor,
+                    f"{touched} experts touched")
 
 
 def main():

@@ -181,21 +181,57 @@ def run_transformers(config_path: str, args) -> dict:
             return json.load(f)
 
 
-def profile_phases(llm, costs, args, vocab, rng, directory: str) -> None:
+def traced(path: str, run) -> None:
+    """run() (which waits for the device's work itself) under a jax.profiler trace."""
     import jax
 
+    jax.profiler.start_trace(path, create_perfetto_trace=True)
+    try:
+        run()
+    finally:
+        jax.profiler.stop_trace()
+
+
+def profile_decode(llm, batch: int, prompt_len: int, steps: int, vocab: int, rng, path: str) -> None:
+    """Trace `steps` steady decode steps of `batch` requests (their prompts' extend steps stay out of it)."""
+    import jax
+
+    from jaxmodels import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_new_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for prompt in rng.integers(3, vocab, size=(batch, prompt_len)).tolist():
+        engine.add_request(prompt, params)
+    launches = []
+    while launches[-2:] != [("decode", batch)] * 2:
+        engine.step()
+        launches.append(engine.last_launch)
+
+    def decode_steps():
+        for _ in range(steps):
+            engine.step()
+        jax.block_until_ready(engine.runner.caches)
+
+    traced(path, decode_steps)
+    while engine.has_work():
+        engine.step()
+
+
+def profile_phases(llm, args, vocab, rng, directory: str) -> None:
+    from jaxmodels import SamplingParams
     from jaxmodels.profiling import format_op_table, op_table
 
     steps = 8
-    batch = max(args.batches)
-    for name, run in (("decode", lambda: decode_phase(llm, costs, batch, args.prompt_len, steps, vocab, rng)),
-                      ("prefill", lambda: prefill_phase(llm, costs, args.prefill_len, vocab, rng, repeats=1))):
-        path = os.path.join(directory, name)
-        with jax.profiler.trace(path, create_perfetto_trace=True):
-            run()
-        # The decode trace also holds the prompts' extend steps; its table is read per decode step all the same.
-        print(f"\n## profile: {name} ({'B=%d, %d decode steps' % (batch, steps + 2) if name == 'decode' else '1 prompt'})")
-        print(format_op_table(op_table(path), steps=steps + 2 if name == "decode" else 1))
+    for batch in sorted({min(args.batches), max(args.batches)}):
+        path = os.path.join(directory, f"decode_b{batch}")
+        profile_decode(llm, batch, args.prompt_len, steps, vocab, rng, path)
+        print(f"\n## profile: decode B={batch}, {steps} steady steps")
+        print(format_op_table(op_table(path), steps=steps))
+    path = os.path.join(directory, "prefill")
+    prompt = rng.integers(3, vocab, size=args.prefill_len).tolist()
+    traced(path, lambda: run_engine(llm.engine, [(0.0, prompt, SamplingParams(max_new_tokens=1, temperature=0.0))]))
+    print(f"\n## profile: prefill of one {args.prefill_len}-token prompt")
+    print(format_op_table(op_table(path), steps=1))
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -292,7 +328,7 @@ def main(argv=None, prog: str | None = None) -> None:
     stats = device.memory_stats() or {}
     results["peak_memory_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
     if args.profile:
-        profile_phases(llm, costs, args, vocab, rng, args.profile)
+        profile_phases(llm, args, vocab, rng, args.profile)
     report(results)
     if args.json:
         with open(args.json, "w") as f:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jaxmodels.engine.engine import Engine, InvalidRequest
 from jaxmodels.engine.request import SamplingParams
+from jaxmodels.hub import resolve_model_path
 from jaxmodels.loading import load_model
 from sharding import make_mesh
 
@@ -56,6 +57,7 @@ class LLM:
         # devices (see sharding.rules). The batch itself is not yet split over dp: each dp group runs the whole
         # batch's attention and Mamba, so dp saves weight memory but adds no attention throughput.
         mesh = make_mesh(dp, tp) if dp * tp > 1 else None
+        path = resolve_model_path(path) if path is not None else None  # a Hub id -> its snapshot directory
         self.model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress,
                                                                 matmul_precision=matmul_precision)
         self.tokenizer = load_tokenizer(path) if path is not None else None

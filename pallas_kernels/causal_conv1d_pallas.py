@@ -1,7 +1,7 @@
 """Pallas (Triton) kernels of the packed causal conv1d and its decode step; semantics in `causal_conv1d`.
 
 Prefill: the token axis is cut into blocks aligned to sequence starts (the same table as the SSD scan,
-`mamba_ssd._chunk_table`), so one program = (channel block, token block of one sequence) and a single long sequence
+`packing.aligned_blocks`), so one program = (channel block, token block of one sequence) and a single long sequence
 still spreads over many programs. The K shifted input tiles are K overlapping loads of x (the overlap hits L1/L2).
 Only a sequence's first block reads its initial state, on the first K-1 rows: those rows are static, so the init
 values are selected in with `where` instead of a gather. Extra programs, one per sequence, write the final states
@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.mamba_ssd import _chunk_table
+from pallas_kernels.packing import aligned_blocks
 
 _f32 = jnp.float32
 # Static column indices are passed as jnp.int32: interpret mode's load rule needs array-typed scalar indices.
@@ -48,7 +48,8 @@ def _conv_kernel(bseq_ref, bstart_ref, blen_ref, cu_ref, x_ref, w_ref, bias_ref,
     cmask = (c0 + lax.broadcasted_iota(jnp.int32, (BC,), 0)) < C
     rows = lax.broadcasted_iota(jnp.int32, (BT,), 0)
 
-    @pl.when(j < NB)
+    # Blocks past the real ones (the bound counts one spare per sequence) have length 0 and do nothing.
+    @pl.when((j < NB) & (blen_ref[jnp.minimum(j, NB - 1)] > 0))
     def _conv_block():
         s = bseq_ref[j]
         t0 = bstart_ref[j]
@@ -109,7 +110,7 @@ def _conv_pallas(x, weight, bias, cu_seqlens, initial_states, *, activation, blo
     T, C = x.shape
     K = weight.shape[1]
     S = cu_seqlens.shape[0] - 1
-    tab = _chunk_table(cu_seqlens, T, block_t)
+    tab = aligned_blocks(cu_seqlens, T, block_t)
     NB = tab["seq"].shape[0]
     row_base = K - 1 if interpret else 0
     if row_base:

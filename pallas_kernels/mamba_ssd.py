@@ -10,8 +10,8 @@ with head h reading group h // (H // G) of B and C. `A` is the already negative 
 
 Chunking of packed sequences: chunk boundaries are aligned to sequence starts, so a chunk never holds tokens of two
 sequences (vLLM does the same). Sequence s of length n_s owns ceil(n_s / chunk_size) chunks, the last one possibly
-short; the chunk count is therefore at most T // chunk_size + S, a static bound, and `_chunk_table` builds the
-(sequence, start token, length) table with traced `cu_seqlens`. Aligning chunks instead of masking by sequence id
+short; the chunk count is therefore at most T // chunk_size + S, a static bound, and `_chunk_table`
+(`packing.aligned_blocks`) builds the (sequence, start token, length) table with traced `cu_seqlens`. Aligning chunks instead of masking by sequence id
 keeps every chunk's arithmetic that of a single sequence and lets the kernel carry one state per sequence.
 
 Tokens at positions >= cu_seqlens[-1] (bucket padding) belong to no sequence: their y is 0 and they touch no state.
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._dispatch import resolve_impl
+from pallas_kernels.packing import aligned_blocks, token_sequence_ids
 
 _HI = lax.Precision.HIGHEST
 
@@ -47,42 +48,9 @@ _HI = lax.Precision.HIGHEST
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def num_chunks_bound(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
-    """Static upper bound on the chunk count: sum_s ceil(n_s / L) <= (T + S (L - 1)) // L <= T // L + S."""
-    return (num_tokens + num_seqs * (chunk_size - 1)) // chunk_size
-
-
-def _chunk_table(cu_seqlens, num_tokens: int, chunk_size: int):
-    """Chunks aligned to sequence starts.
-
-    Returns a dict of int32 / bool arrays of static length NC = num_chunks_bound(T, S, L):
-      seq[c], start[c], length[c] (0 for unused tail chunks), first[c] (chunk opens its sequence), last[c]
-      (chunk closes its sequence), and per sequence chunk_begin[s] (index of its first chunk) and nchunks[s].
-    """
-    cu = cu_seqlens.astype(jnp.int32)
-    num_seqs = cu.shape[0] - 1
-    L = chunk_size
-    nc = num_chunks_bound(num_tokens, num_seqs, L)
-    lens = cu[1:] - cu[:-1]
-    nchunks = (lens + (L - 1)) // L
-    chunk_cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nchunks).astype(jnp.int32)])
-    c = jnp.arange(nc, dtype=jnp.int32)
-    # First sequence whose chunk range ends after c; empty sequences own no chunk and are skipped.
-    seq = jnp.searchsorted(chunk_cum[1:], c, side="right").astype(jnp.int32)
-    valid = seq < num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
-    k = c - chunk_cum[seq]
-    start = cu[seq] + k * L
-    length = jnp.where(valid, jnp.clip(cu[seq + 1] - start, 0, L), 0)
-    return dict(
-        seq=seq,
-        start=jnp.where(valid, start, 0),
-        length=length,
-        first=valid & (k == 0),
-        last=valid & (k == nchunks[seq] - 1),
-        chunk_begin=chunk_cum[:-1],
-        nchunks=nchunks,
-    )
+def _chunk_table(cu_seqlens, num_tokens: int, chunk_size: int) -> dict:
+    """Chunks aligned to sequence starts (`packing.aligned_blocks`, see there for the fields)."""
+    return aligned_blocks(cu_seqlens, num_tokens, chunk_size)
 
 
 def _prepare_dt(dt, dt_bias, dt_softplus, dt_limit):
@@ -201,10 +169,10 @@ def ssd_chunk_scan_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, in
     # Back from chunk layout to tokens.
     cu = cu_seqlens.astype(jnp.int32)
     t = jnp.arange(T, dtype=jnp.int32)
-    tseq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32), S - 1)
+    tseq = jnp.minimum(token_sequence_ids(cu, T), S - 1)
     off = t - cu[tseq]
     tvalid = t < cu[S]
-    tchunk = jnp.clip(tab["chunk_begin"][tseq] + off // L, 0, nc - 1)
+    tchunk = jnp.clip(tab["block_begin"][tseq] + off // L, 0, nc - 1)
     y = yc[tchunk, off % L]
     if D is not None:
         y = y + D.astype(jnp.float32)[None, :, None] * x.astype(jnp.float32)

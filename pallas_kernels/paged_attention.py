@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._dispatch import dot_precision, pow2_tile_problem, resolve_impl
+from .packing import aligned_blocks, num_blocks_bound, token_sequence_ids
 
 _f32 = jnp.float32
 _TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): below that, split the keys
@@ -89,10 +90,8 @@ def _check_shapes(q, k_pages, v_pages, page_table, cu_seqlens, positions):
 
 def _token_sequences(cu_seqlens, num_tokens: int):
     """Sequence of each token (clipped to the last one for padding tokens) and whether the token is real."""
-    cu = cu_seqlens.astype(jnp.int32)
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
-    return jnp.minimum(seq, cu.shape[0] - 2), t < cu[-1]
+    seq = token_sequence_ids(cu_seqlens, num_tokens)
+    return jnp.minimum(seq, cu_seqlens.shape[0] - 2), seq < cu_seqlens.shape[0] - 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,27 +132,11 @@ def paged_attention_reference(q, k_pages, v_pages, *, page_table, cu_seqlens, po
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def num_query_blocks_bound(num_tokens: int, num_seqs: int, block_q: int) -> int:
-    """Static bound on the query-block count: sum_s ceil(n_s / BQ) <= (T + S (BQ - 1)) // BQ <= T // BQ + S."""
-    return max((num_tokens + num_seqs * (block_q - 1)) // block_q, 1)
-
-
 def _query_block_table(cu_seqlens, num_tokens: int, block_q: int):
     """Query blocks aligned to sequence starts: int32 (seq[b], start[b], length[b]) of static length NB; blocks past
     the last real one (and nothing else) have length 0."""
-    cu = cu_seqlens.astype(jnp.int32)
-    num_seqs = cu.shape[0] - 1
-    nb = num_query_blocks_bound(num_tokens, num_seqs, block_q)
-    blocks_per_seq = _cdiv(cu[1:] - cu[:-1], block_q)
-    block_cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks_per_seq).astype(jnp.int32)])
-    b = jnp.arange(nb, dtype=jnp.int32)
-    # First sequence whose block range ends after b; empty sequences own no block and are skipped.
-    seq = jnp.searchsorted(block_cum[1:], b, side="right").astype(jnp.int32)
-    used = seq < num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
-    start = cu[seq] + (b - block_cum[seq]) * block_q
-    length = jnp.where(used, jnp.clip(cu[seq + 1] - start, 0, block_q), 0)
-    return seq, jnp.where(used, start, 0), length
+    blocks = aligned_blocks(cu_seqlens, num_tokens, block_q)
+    return blocks["seq"], blocks["start"], blocks["length"]
 
 
 def _paged_attention_kernel(blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, pos_ref, pt_ref, q_ref, k_ref, v_ref,
@@ -306,7 +289,7 @@ def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, max_keys: 
     """Key splits: double until the GPU has about `_TARGET_PROGRAMS` busy programs, while every split still owns at
     least `_MIN_TILES_PER_SPLIT` key tiles of the longest context the page table can hold. Busy blocks are estimated
     as max(S, T / BQ): one per sequence in decode, T / BQ in a long prefill chunk."""
-    busy = min(num_query_blocks_bound(num_tokens, num_seqs, block_q), max(num_seqs, _cdiv(num_tokens, block_q)))
+    busy = min(num_blocks_bound(num_tokens, num_seqs, block_q), max(num_seqs, _cdiv(num_tokens, block_q)))
     splits = 1
     while (busy * kv_heads * splits < _TARGET_PROGRAMS and splits < _MAX_SPLITS
            and max_keys >= 2 * splits * _MIN_TILES_PER_SPLIT * block_k):

@@ -13,7 +13,10 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
+
+from jaxmodels.precision import matmul_precision_for, precision_scope  # noqa: E402
 
 
 def _has_gpu() -> bool:
@@ -21,6 +24,14 @@ def _has_gpu() -> bool:
         return any(d.platform == "gpu" for d in jax.devices())
     except RuntimeError:
         return False
+
+
+@pytest.fixture
+def float32_matmuls():
+    """Layers called on their own, outside a model, at a float32 model's precision (a model's forward and the
+    engine's steps set it themselves; a bare layer call gets XLA's default, TF32 on the GPU)."""
+    with precision_scope(matmul_precision_for(jnp.float32)):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

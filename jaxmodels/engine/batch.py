@@ -8,6 +8,9 @@ per slot (`last_tokens`), so a step can be sent before the previous one's tokens
 
 import numpy as np
 
+# What the sampler reads of a batch (the forward reads the rest, slot ids included).
+SAMPLING_KEYS = ("slot_ids", "temperature", "top_p", "top_k", "seed", "step")
+
 
 def _sampling(tables, slot_ids: np.ndarray, ends: np.ndarray) -> dict:
     """Per-row sampling knobs; `step` (the index of the output token being drawn, which seeds its randomness) is

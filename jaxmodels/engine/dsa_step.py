@@ -14,6 +14,7 @@ import pallas_kernels
 from jaxmodels.layers.attention import write_pages
 from jaxmodels.layers.rope import rope_cos_sin
 from jaxmodels.engine.step import ModelStep
+from pallas_kernels.packing import token_sequence_ids
 
 
 class DSAStep(ModelStep):
@@ -72,10 +73,8 @@ class DSAStep(ModelStep):
     def extend(self, params, caches, batch):
         """Same batch as NemotronHStep.extend (its Mamba fields are unused here)."""
         tokens, cu = batch["tokens"], batch["cu_seqlens"]
-        num_tokens, num_seqs = tokens.shape[0], cu.shape[0] - 1
-        index = jnp.arange(num_tokens, dtype=jnp.int32)
-        seq = jnp.searchsorted(cu[1:], index, side="right").astype(jnp.int32)
-        seq = jnp.where(index < cu[-1], seq, num_seqs)
+        num_tokens = tokens.shape[0]
+        seq = token_sequence_ids(cu, num_tokens)  # one past the last sequence for padding tokens
         model, hidden, caches = self._forward(params, caches, tokens, batch["positions"], seq, batch["page_table"])
         last = jnp.clip(cu[1:] - 1, 0, num_tokens - 1)
         return model.logits(hidden[last]), caches

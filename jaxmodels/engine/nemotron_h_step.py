@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmodels.engine.step import ModelStep
+from pallas_kernels.packing import token_sequence_ids
 
 
 class NemotronHStep(ModelStep):
@@ -56,9 +57,9 @@ class NemotronHStep(ModelStep):
         model = self._model(params)
         tokens, positions, cu = batch["tokens"], batch["positions"], batch["cu_seqlens"]
         num_tokens, num_seqs = tokens.shape[0], cu.shape[0] - 1
-        index = jnp.arange(num_tokens, dtype=jnp.int32)
-        seq = jnp.minimum(jnp.searchsorted(cu[1:], index, side="right"), num_seqs - 1)
-        real = index < cu[-1]
+        seq = token_sequence_ids(cu, num_tokens)
+        real = seq < num_seqs
+        seq = jnp.minimum(seq, num_seqs - 1)
         token_pages = jnp.where(real[:, None], batch["page_table"][seq], 0)
         # transformers floors dt on prompt tokens only (see Mamba2Mixer.forward_packed).
         dt_floor = positions < batch["prompt_lens"][seq]

@@ -2,6 +2,11 @@
 
 Executables are compiled with `jit(...).lower(...).compile()`: calling one with a shape it was not built for is an
 error instead of a silent recompilation, so "nothing compiles after warm-up" holds by construction.
+
+A step is two executables sent back to back: the model's forward for the bucket (-> logits, caches) and a small
+sampler (-> tokens, each stored at its request's slot in `last_tokens`, where the next decode reads its input).
+The host picks the sampler, greedy or full, from the batch (see sampler.py): the step programs hold no XLA control
+flow, which on the GPU would make the launching thread wait for the device.
 """
 
 import concurrent.futures
@@ -11,45 +16,42 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxmodels.engine.batch import decode_batch, extend_batch
+from jaxmodels.engine import sampler
+from jaxmodels.engine.batch import SAMPLING_KEYS, decode_batch, extend_batch
 from jaxmodels.engine.buckets import bucket_for
 from jaxmodels.engine.cache import allocate_caches
-from jaxmodels.engine.sampler import sample
 from jaxmodels.engine.scheduler import SlotTables
 from jaxmodels.precision import precision_scope
 
 log = logging.getLogger("jaxmodels.engine")
 
-_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "step")
+SAMPLERS = ("greedy", "sample")
 
 
-def _sampled(logits, batch):
-    return sample(logits, *(batch[k] for k in _SAMPLING_KEYS))
-
-
-def _extend_fn(step):
-    """The extend executable: the step, sampling, and each sequence's sampled token stored at its slot."""
+def _forward_fn(step, kind: str):
+    """The forward executable of `kind`: logits of each sequence's (extend) or row's (decode) last token. A decode
+    row's input is the token its slot sampled last, so the host never sends it (and may send this step before the
+    previous step's tokens have come back)."""
 
     def run(params, caches, last_tokens, batch):
         with precision_scope(step.matmul_precision):
-            logits, caches = step.extend(params, caches, batch)
-            sampled = _sampled(logits, batch)
-        return sampled, caches, last_tokens.at[batch["slot_ids"]].set(sampled)
+            if kind == "extend":
+                return step.extend(params, caches, batch)
+            return step.decode(params, caches, {**batch, "tokens": last_tokens[batch["slot_ids"]]})
 
     return run
 
 
-def _decode_fn(step):
-    """The decode executable: each row's input is the token its slot sampled last, so the host never has to send
-    it (and may send this step before the previous step's tokens have come back)."""
-
-    def run(params, caches, last_tokens, batch):
-        tokens = last_tokens[batch["slot_ids"]]
-        with precision_scope(step.matmul_precision):
-            logits, caches = step.decode(params, caches, {**batch, "tokens": tokens})
-            sampled = _sampled(logits, batch)
-        return sampled, caches, last_tokens.at[batch["slot_ids"]].set(sampled)
+def _sampler_fn(mode: str):
+    def run(logits, last_tokens, knobs):
+        if mode == "greedy":
+            tokens = sampler.greedy(logits)
+        else:
+            tokens = sampler.sample(logits, knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"],
+                                    knobs["step"])
+        return tokens, last_tokens.at[knobs["slot_ids"]].set(tokens)
 
     return run
 
@@ -62,7 +64,8 @@ class Runner:
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs = max_seqs_per_extend
         cache_shapes = step.cache_shapes(sizes)
-        jit_options = {"donate_argnums": (1, 2)}
+        forward_options = {"donate_argnums": 1}
+        sampler_options = {"donate_argnums": 1}
         if mesh is None:
             self.params = step.params
             self.caches = allocate_caches(cache_shapes)
@@ -78,56 +81,68 @@ class Runner:
             self.caches = allocate_caches(cache_shapes, cache_shardings)
             # Pinning the caches' output shardings keeps every step's inputs on the layout it was compiled for.
             replicated = NamedSharding(mesh, PartitionSpec())
-            jit_options["out_shardings"] = (replicated, cache_shardings, replicated)
+            forward_options["out_shardings"] = (replicated, cache_shardings)
+            sampler_options["out_shardings"] = (replicated, replicated)
         self.last_tokens = jnp.zeros((sizes.num_slots,), jnp.int32)
         if mesh is not None:
             self.last_tokens = jax.device_put(self.last_tokens, replicated)
-        self._jit_extend = jax.jit(_extend_fn(step), **jit_options)
-        self._jit_decode = jax.jit(_decode_fn(step), **jit_options)
-        self._tables: dict[str, dict[int, object]] = {"extend": {}, "decode": {}}
+        self._forward = {kind: jax.jit(_forward_fn(step, kind), **forward_options) for kind in ("extend", "decode")}
+        self._samplers = {mode: jax.jit(_sampler_fn(mode), **sampler_options) for mode in SAMPLERS}
+        # Compiled executables: ("extend" | "decode", bucket) -> forward; (rows, sampler mode) -> sampler.
+        self._compiled: dict[tuple, object] = {}
         self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
-    def _extend_example(self, num_tokens):
-        return extend_batch([], num_tokens, self.max_seqs, self._example_tables)
+    def _example(self, kind, n):
+        if kind == "extend":
+            return extend_batch([], n, self.max_seqs, self._example_tables)
+        return decode_batch([], n, self._example_tables)
 
-    def _decode_example(self, rows):
-        return decode_batch([], rows, self._example_tables)
+    def _jobs(self) -> list[tuple]:
+        forwards = [("extend", n) for n in self.prefill_sizes] + [("decode", n) for n in self.decode_sizes]
+        rows = sorted({self.max_seqs, *self.decode_sizes})
+        return forwards + [(n, mode) for n in rows for mode in SAMPLERS]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile every bucket. An all-padding batch has the exact shapes and dtypes of a real one.
+        """Compile every bucket's forward and every row count's samplers. An all-padding batch has the exact shapes
+        and dtypes of a real one.
 
-        Tracing runs here one bucket after another; XLA compiles them on a thread per core, which releases the GIL
-        (2x faster on the 2-core CI machine).
+        Tracing runs here one executable after another; XLA compiles them on a thread per core, which releases the
+        GIL (2x faster on the 2-core CI machine).
         """
         from tqdm.auto import tqdm
 
-        jobs = [("extend", n) for n in self.prefill_sizes] + [("decode", n) for n in self.decode_sizes]
+        jobs = self._jobs()
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool, \
                 tqdm(total=len(jobs), desc="compiling buckets", disable=not progress) as bar:
-            futures = {pool.submit(self._lower(kind, n).compile): (kind, n) for kind, n in jobs}
+            futures = {pool.submit(self._lower(job).compile): job for job in jobs}
             for future in concurrent.futures.as_completed(futures):
-                kind, n = futures[future]
-                self._tables[kind][n] = future.result()
+                self._compiled[futures[future]] = future.result()
                 bar.update()
-        log.info("compiled %d buckets in %.1f s (prefill tokens %s; decode batch %s)", len(jobs),
-                 time.perf_counter() - start, self.prefill_sizes, self.decode_sizes)
+        log.info("compiled %d executables in %.1f s (prefill tokens %s; decode batch %s; greedy and full samplers)",
+                 len(jobs), time.perf_counter() - start, self.prefill_sizes, self.decode_sizes)
 
-    def _lower(self, kind, n):
-        if kind == "extend":
-            return self._jit_extend.lower(self.params, self.caches, self.last_tokens, self._extend_example(n))
-        return self._jit_decode.lower(self.params, self.caches, self.last_tokens, self._decode_example(n))
+    def _lower(self, job):
+        first, second = job
+        if first in ("extend", "decode"):
+            forward, _ = _split(self._example(first, second))
+            return self._forward[first].lower(self.params, self.caches, self.last_tokens, forward)
+        logits = jax.ShapeDtypeStruct((first, self.step.config.vocab_size), jnp.float32)
+        _, knobs = _split(self._example("decode", first))
+        return self._samplers[second].lower(logits, self.last_tokens, knobs)
 
-    def _executable(self, kind, n):
-        table = self._tables[kind]
-        if n not in table:  # only without warm-up
-            table[n] = self._lower(kind, n).compile()
-        return table[n]
+    def _executable(self, job):
+        if job not in self._compiled:  # only without warm-up
+            self._compiled[job] = self._lower(job).compile()
+        return self._compiled[job]
 
     def _run(self, kind, n, batch):
-        """Send one step to the device; returns its sampled tokens as a device array (not waited for)."""
-        tokens, self.caches, self.last_tokens = self._executable(kind, n)(self.params, self.caches,
-                                                                          self.last_tokens, batch)
+        """Send one step (forward, then sampler) to the device; returns its sampled tokens as a device array, not
+        waited for."""
+        forward, knobs = _split(batch)
+        logits, self.caches = self._executable((kind, n))(self.params, self.caches, self.last_tokens, forward)
+        mode = "sample" if np.any(knobs["temperature"] > 0) else "greedy"
+        tokens, self.last_tokens = self._executable((logits.shape[0], mode))(logits, self.last_tokens, knobs)
         return tokens
 
     def launch_extend(self, chunks, tables):
@@ -137,3 +152,9 @@ class Runner:
     def launch_decode(self, requests, tables):
         n = bucket_for(self.decode_sizes, len(requests))
         return self._run("decode", n, decode_batch(requests, n, tables))
+
+
+def _split(batch: dict) -> tuple[dict, dict]:
+    """(the forward's fields, the sampler's: slot ids and knobs)."""
+    knobs = {key: batch[key] for key in SAMPLING_KEYS}
+    return {k: v for k, v in batch.items() if k not in SAMPLING_KEYS or k == "slot_ids"}, knobs

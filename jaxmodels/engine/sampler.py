@@ -1,24 +1,27 @@
-"""Token sampling inside the jitted step: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling on the device: greedy, temperature, top-k, top-p, with per-request seeds.
 
 Every knob is an array, one entry per row, so one executable serves any mix of requests. Randomness comes from
 fold_in(key(seed), step) where step is the number of tokens the request has generated so far: a request draws the
 same token whatever batch it lands in, and again when it is recomputed after preemption.
+
+Two functions, one program each: `greedy` (an argmax) and `sample` (every knob; one descending sort of the
+vocabulary serves top-k and top-p, which costs real time at 100k+ tokens). The engine picks one per step on the host,
+from the batch's temperatures. Choosing on the device with an XLA conditional would stall the GPU engine: a
+conditional copies its predicate to the host and waits for it, blocking the thread that launches steps.
 """
 
 import jax
 import jax.numpy as jnp
 
 
+def greedy(logits):
+    """logits[B,V] -> int32[B], the argmax of each row."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def sample(logits, temperature, top_k, top_p, seed, step):
     """logits[B,V] float32; temperature/top_p float32[B]; top_k int32[B] (<= 0: off); seed uint32[B];
-    step int32[B] -> int32[B]. temperature 0 means greedy."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # The vocabulary sort below costs real time at 100k+ tokens; an all-greedy batch skips it.
-    return jax.lax.cond(jnp.any(temperature > 0), _sample_rows, lambda *args: greedy,
-                        logits, temperature, top_k, top_p, seed, step, greedy)
-
-
-def _sample_rows(logits, temperature, top_k, top_p, seed, step, greedy):
+    step int32[B] -> int32[B]. temperature 0 means greedy (that row's argmax)."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     # One descending sort serves both filters: top-k keeps ranks < k, top-p keeps the smallest prefix whose
@@ -38,4 +41,4 @@ def _sample_rows(logits, temperature, top_k, top_p, seed, step, greedy):
 
     picked_rank = jax.vmap(draw)(ranked, seed, step)
     sampled = jnp.take_along_axis(order, picked_rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.where(temperature > 0, sampled, greedy(logits))

@@ -44,4 +44,5 @@ class GatedGroupRMSNorm(nnx.Module):
         gated = y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
         grouped = gated.reshape(*gated.shape[:-1], -1, self.group_size)
         normed = rms_normalize(grouped, self.eps).reshape(gated.shape)
-        return self.weight[...] * normed.astype(y.dtype)
+        # Weight multiply in float32, one rounding to y's dtype (transformers and mamba_ssm round once, here).
+        return (self.weight[...].astype(jnp.float32) * normed).astype(y.dtype)

@@ -111,6 +111,7 @@ def test_sampler():
     assert all(k3[i, row] in top3[row] for i in range(20) for row in range(4))
 
 
+@pytest.mark.usefixtures("float32_matmuls")
 def test_recompute_reproduces_decoded_mamba_state():
     """Preemption recompute: prompt + decoded tokens through forward_packed with the dt floor on prompt tokens only
     gives the state that prefill + token-by-token forward_decode left (and flooring all of them would not)."""

@@ -20,6 +20,8 @@ from jaxmodels.models.deepseek_v32 import build_mlp
 from tests.hf_models import make_dsa
 from tests.jaxmodels.test_nemotron_h_layers import assert_close, ours_with_weights_of
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")
+
 SEQ = 21  # above index_topk = 6: the indexer drops keys
 
 

@@ -99,15 +99,23 @@ def test_batch_rows_are_independent(checkpoint):
 
 def test_in_memory_and_converted_models_match(tmp_path):
     """`from_torch` reads transformers' in-memory layout (experts fused as `gate_up_proj`, unlike the per-expert
-    tensors `save_pretrained` writes), and the orbax-converted copy restores the same params."""
+    tensors `save_pretrained` writes), and the orbax-converted copy restores the same params, bit for bit. (Logits
+    are compared within rounding only: on the GPU two compilations of one program may autotune different GEMM
+    algorithms.)"""
     from bridge import from_torch, save_converted
+    from jaxmodels.models.registry import model_params
 
     hf_model = make_dsa("glm_moe_dsa")
-    model = Jitted(jaxmodels.load_model(save(hf_model, tmp_path / "saved"), progress=False))
+    saved = jaxmodels.load_model(save(hf_model, tmp_path / "saved"), progress=False)
     assert any(name.endswith("experts.gate_up_proj") for name in hf_model.state_dict())
-    input_ids = random_ids(hf_model, 2, 9)
-    expected = model(input_ids)
-    np.testing.assert_array_equal(Jitted(from_torch(hf_model, progress=False))(input_ids), expected)
+    in_memory = from_torch(hf_model, progress=False)
     converted = tmp_path / "converted"
-    save_converted(from_torch(hf_model, progress=False), converted, hf_model.config.to_dict())
-    np.testing.assert_array_equal(Jitted(jaxmodels.load_model(converted, progress=False))(input_ids), expected)
+    save_converted(in_memory, converted, hf_model.config.to_dict())
+    restored = jaxmodels.load_model(converted, progress=False)
+    expected = model_params(saved)
+    for other in (in_memory, restored):
+        params = model_params(other)
+        assert params.keys() == expected.keys()
+        assert all(np.array_equal(params[name], expected[name]) for name in expected)
+    input_ids = random_ids(hf_model, 2, 9)
+    assert relative_error(Jitted(restored)(input_ids), Jitted(saved)(input_ids)) < TOLERANCE

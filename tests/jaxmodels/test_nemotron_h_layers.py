@@ -16,6 +16,7 @@ from tests.hf_models import make_nemotron_h
 from flax import nnx
 
 TOLERANCE = 1e-5  # one layer in float32: only summation order differs
+pytestmark = pytest.mark.usefixtures("float32_matmuls")
 
 
 def ours_with_weights_of(factory, torch_module):

@@ -12,7 +12,8 @@ itk = importlib.import_module("pallas_kernels.indexer_topk")
 smla = importlib.import_module("pallas_kernels.sparse_mla_attention")
 
 
-def test_auto_on_cpu_is_xla_unless_interpreting():
+def test_auto_on_cpu_is_xla_unless_interpreting(monkeypatch):
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: False)
     assert _dispatch.resolve_impl("auto") == "xla"
     assert _dispatch.resolve_impl("auto", interpret=True) == "pallas"
     with pytest.raises(ValueError, match="impl must be one of"):

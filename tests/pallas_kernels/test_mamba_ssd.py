@@ -141,19 +141,6 @@ def test_matches_transformers():
     assert rel(fin, fin_hf.numpy()) < 1e-5
 
 
-def test_chunk_table_never_mixes_sequences():
-    cu = jnp.asarray([0, 1, 9, 20, 20, 33], jnp.int32)
-    tab = jax.tree.map(np.asarray, mamba_ssd._chunk_table(cu, 40, 8))
-    cu = np.asarray(cu)
-    assert len(tab["seq"]) == mamba_ssd.num_chunks_bound(40, 5, 8)
-    covered = np.zeros(40, int)
-    for s, st, ln in zip(tab["seq"], tab["start"], tab["length"]):
-        if ln:
-            assert cu[s] <= st and st + ln <= cu[s + 1]
-            covered[st:st + ln] += 1
-    assert np.all(covered[:33] == 1) and np.all(covered[33:] == 0)
-
-
 # Pooled variant. One packing of 7 sequence rows on a pool of 9 slots: row 0 continues from slot 3 with 11 tokens (not
 # a multiple of the chunk), rows 1, 5, 6 are padding on slot 0 (two of them flagged as continuing: they must still
 # read nothing), row 2 continues from slot 5 with 1 token, row 3 starts fresh on slot 6, row 4 continues from slot 1

@@ -1,0 +1,53 @@
+"""The step programs the engine sends to a GPU hold no XLA control flow.
+
+On the GPU an XLA while loop or conditional copies its predicate to the host and waits for it, blocking the thread
+that launches the step until the device has caught up; the engine then cannot schedule step N+1 while step N runs.
+(Measured on the H200: with a conditional in the sampler and while loops from jnp.searchsorted, 93-97% of every
+decode step's wall time was spent inside the launch.) Loops inside Pallas kernels run on the device and are fine.
+The programs are lowered for CUDA here, on any machine, with the kernels' GPU paths selected.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxmodels.configs import load_config
+from jaxmodels.engine.cache import PoolSizes
+from jaxmodels.engine.family import step_for
+from jaxmodels.engine.runner import SAMPLERS, Runner, _split
+from jaxmodels.models.registry import model_class
+from pallas_kernels import _dispatch
+from tests.hf_models import DSA_BASE, NEMOTRON_H_BASE, NEMOTRON_H_VARIANTS
+
+CONFIGS = {
+    "nemotron_h": {"model_type": "nemotron_h", **NEMOTRON_H_BASE, **NEMOTRON_H_VARIANTS["moe"]},
+    "deepseek_v32": {"model_type": "deepseek_v32", **DSA_BASE},
+}
+
+
+def cuda_program(jitted, *args) -> str:
+    exported = jax.export.export(jitted, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_step_programs_have_no_xla_control_flow(model_type, monkeypatch):
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    config = load_config(CONFIGS[model_type])
+    step = step_for(model_class(config)(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    runner = Runner(step, PoolSizes.from_limits(max_batch_size=2, max_seq_len=16), decode_sizes=[2],
+                    prefill_sizes=[8], max_seqs_per_extend=2)
+    programs = {}
+    for kind, n in (("extend", 8), ("decode", 2)):
+        forward, knobs = _split(runner._example(kind, n))
+        programs[kind] = cuda_program(runner._forward[kind], runner.params, runner.caches, runner.last_tokens,
+                                      forward)
+    logits = jax.ShapeDtypeStruct((2, config.vocab_size), jnp.float32)
+    for mode in SAMPLERS:
+        programs[mode] = cuda_program(runner._samplers[mode], logits, runner.last_tokens, knobs)
+    for name, text in programs.items():
+        assert not re.findall(r"stablehlo\.(while|case|if)\b", text), name

@@ -1,0 +1,38 @@
+"""Packed-batch bookkeeping shared by the kernels, their references and the engine steps."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.packing import aligned_blocks, num_blocks_bound, token_sequence_ids
+
+CU = [0, 1, 9, 20, 20, 33]  # sequences of 1, 8, 11, 0 and 13 tokens; tokens 33.. of 40 are padding
+
+
+def test_token_sequence_ids_are_searchsorted_without_a_loop():
+    expected = np.searchsorted(np.asarray(CU[1:]), np.arange(40), side="right")
+    np.testing.assert_array_equal(np.asarray(token_sequence_ids(jnp.asarray(CU, jnp.int32), 40)), expected)
+
+
+def test_padding_tokens_belong_to_no_sequence():
+    seq = np.asarray(token_sequence_ids(jnp.asarray(CU, jnp.int32), 40))
+    assert set(seq[33:]) == {len(CU) - 1}
+
+
+def test_aligned_blocks_never_mix_sequences_and_cover_every_token_once():
+    blocks = {k: np.asarray(v) for k, v in aligned_blocks(jnp.asarray(CU, jnp.int32), 40, 8).items()}
+    assert len(blocks["seq"]) == num_blocks_bound(40, 5, 8)
+    covered = np.zeros(40, int)
+    for s, start, length in zip(blocks["seq"], blocks["start"], blocks["length"]):
+        if length:
+            assert CU[s] <= start and start + length <= CU[s + 1]
+            covered[start:start + length] += 1
+    np.testing.assert_array_equal(covered, [1] * 33 + [0] * 7)
+
+
+def test_aligned_blocks_mark_each_sequences_first_and_last_block():
+    blocks = {k: np.asarray(v) for k, v in aligned_blocks(jnp.asarray(CU, jnp.int32), 40, 8).items()}
+    np.testing.assert_array_equal(blocks["nblocks"], [1, 1, 2, 0, 2])
+    firsts = [(s, start) for s, start, f in zip(blocks["seq"], blocks["start"], blocks["first"]) if f]
+    lasts = [s for s, f in zip(blocks["seq"], blocks["last"]) if f]
+    assert firsts == [(0, 0), (1, 1), (2, 9), (4, 20)]
+    assert lasts == [0, 1, 2, 4]
