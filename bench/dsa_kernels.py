@@ -268,7 +268,13 @@ def bench_sparse_mla(quick):
         for opts in ([dict()] if quick else [dict(), dict(num_stages=2), dict(num_stages=3, block_k=16)]):
             f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
             row(f"sparse MLA decode B={B} {opts}", timeit(f, q, cache, idx), t_r, floor, "ref = XLA gather+einsum")
-    # Prefill: a 2048-token chunk, every token with a full top-k list; FLOP-bound (all 128 heads share the rows).
+
+
+@section
+def bench_sparse_mla_prefill(quick):
+    """A 2048-token chunk, every token with a full top-k list; FLOP-bound (all 128 heads share the rows)."""
+    H, k, rows = 128, 2048, 1 << 18
+    cache = jax.random.normal(jax.random.key(6), (rows // 64, 64, 576)).astype(jnp.bfloat16)
     T = 2048
     q = jax.random.normal(jax.random.key(T), (T, H, 576)).astype(jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(T + 1), (T, k), 0, rows).astype(jnp.int32)
@@ -335,7 +341,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one variant and one context per section")
-    ap.add_argument("--only", default="", help="comma list of sections: select,indexer,mla,gmm")
+    ap.add_argument("--only", default="", help="comma list of sections: select,indexer,mla,mla_prefill,gmm")
     ap.add_argument("--log", default=None)
     ap.add_argument("--ctx", default="8192,32768,131072", help="indexer contexts")
     args = ap.parse_args()
@@ -356,6 +362,8 @@ def main():
         bench_gmm(args.quick)
     if want("mla"):
         bench_sparse_mla(args.quick)
+    if want("mla") or want("mla_prefill"):
+        bench_sparse_mla_prefill(args.quick)
     if want("indexer"):
         bench_indexer(args.quick)
     say("\n=== summary")

@@ -1,4 +1,5 @@
-"""Command line: `python -m jaxmodels demo`, `python -m jaxmodels generate --model PATH --prompt "..."` and
+"""Command line: `python -m jaxmodels demo`, `python -m jaxmodels generate --model PATH --prompt "..."`,
+`python -m jaxmodels serve --model PATH` (an OpenAI-compatible server, see jaxmodels/serve/) and
 `python -m jaxmodels bench --config CONFIG.json ...` (engine vs transformers, see jaxmodels/benchmark.py)."""
 
 import argparse
@@ -21,6 +22,24 @@ def generate(args) -> None:
         raise SystemExit(f"error: {out.error}")
     print(out.text if out.text is not None else out.token_ids)
     print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+
+
+def serve(args) -> None:
+    try:
+        from jaxmodels.serve.server import load_app, serve_forever
+    except ImportError as e:
+        raise SystemExit(f"serve needs the [serve] extra (pip install 'jaxmodels[serve]'): {e}")
+    from jaxmodels.hub import resolve_model_path
+
+    try:
+        model_dir = resolve_model_path(args.model)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}")
+    app = load_app(model_dir, model_name=args.served_model_name or args.model,
+                   max_queued_requests=args.max_queued_requests, dtype=args.dtype,
+                   max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dp=args.dp, tp=args.tp,
+                   max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup)
+    serve_forever(app, args.host, args.port)
 
 
 def main(argv=None) -> None:
@@ -46,6 +65,21 @@ def main(argv=None) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="bfloat16")
     gen.add_argument("--max-seq-len", type=int, default=4096)
+    srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)")
+    srv.add_argument("--model", required=True, help="HF checkpoint directory, or a Hugging Face Hub id")
+    srv.add_argument("--served-model-name", help="the id clients send as `model` (default: --model as given)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--dtype", default="bfloat16")
+    srv.add_argument("--max-batch-size", type=int, default=64)
+    srv.add_argument("--max-seq-len", type=int, default=4096)
+    srv.add_argument("--max-prefill-tokens", type=int, default=None, help="tokens per prefill step")
+    srv.add_argument("--dp", type=int, default=1)
+    srv.add_argument("--tp", type=int, default=1)
+    srv.add_argument("--max-queued-requests", type=int, default=1024,
+                     help="requests held beyond the running batch; past that, new ones get 503")
+    srv.add_argument("--no-warmup", action="store_true",
+                     help="compile buckets on first use instead of at start (faster start, slower first requests)")
     args = parser.parse_args(argv)
     # The engine logs its pool sizes and warm-up at INFO; show those (and nothing of other libraries' INFO).
     logging.basicConfig(format="%(message)s")
@@ -56,6 +90,8 @@ def main(argv=None) -> None:
         run_demo(num_requests=args.requests, max_new_tokens=args.max_new_tokens)
     elif args.command == "generate":
         generate(args)
+    elif args.command == "serve":
+        serve(args)
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ class Engine:
         sampled = np.asarray(inflight.tokens)
         self.times.wait_s += time.perf_counter() - start
         finish = self.scheduler.finish_extend if inflight.kind == "extend" else self.scheduler.finish_decode
-        got = finish(inflight.work, sampled[: len(inflight.work)])
+        got = finish(inflight.work, sampled[: len(inflight.work)].tolist())
         self.times.generated_tokens += len(got)
         return got
 

@@ -89,16 +89,14 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def num_outputs_scheduled(self) -> int:
-        """Output tokens this request will hold once every step sent to the device has come back: the token at
-        position num_computed - 1 of a decoding request samples output number num_computed - len(prompt)."""
-        return self.num_computed - len(self.prompt) + 1 if self.decoding else len(self.output)
-
     def may_grow(self, max_seq_len: int) -> bool:
-        """Whether one more decode step can still yield a token within the length limits."""
-        scheduled = self.num_outputs_scheduled
-        return scheduled < self.params.max_new_tokens and len(self.prompt) + scheduled < max_seq_len
+        """Whether one more decode step of this decoding request can still yield a token within the length limits.
+
+        Its steps sent so far (some perhaps still on the device) end with the token at position num_computed - 1,
+        which samples token number num_computed of token_ids; one more step is useful while that token leaves
+        room under both limits.
+        """
+        return self.num_computed + 1 < min(len(self.prompt) + self.params.max_new_tokens, max_seq_len)
 
     def stop_reason(self, token: int, max_seq_len: int) -> str | None:
         if token in self.params.stop_token_ids or (token in self.eos_ids and not self.params.ignore_eos):

@@ -133,25 +133,31 @@ class Scheduler:
         self.slots.admit(request)
 
     def _decode_batch(self, can_preempt: bool):
+        # The hot loop of a large batch: plain attribute arithmetic, no helper calls unless a page is due.
         batch = []
+        page_size, max_seq_len, decoding = self.sizes.page_size, self.max_seq_len, RequestStatus.DECODING
+        preempted = False
         for request in list(self.running.values()):
-            if not request.decoding or request.request_id not in self.running:
+            if request.status is not decoding or (preempted and request.request_id not in self.running):
                 continue
-            if not request.may_grow(self.max_seq_len):
+            if not request.may_grow(max_seq_len):
                 continue  # its last tokens are in flight; it finishes when they come back
-            while self._pages_for(request, request.num_computed + 1) > len(self.free_pages):
-                if not can_preempt:
-                    return None
-                victim = self._newest()
-                self._preempt(victim)
-                if victim is request:
-                    break
+            if request.num_computed // page_size >= len(request.pages):  # the new token opens a page
+                while not len(self.free_pages):
+                    if not can_preempt:
+                        return None
+                    victim = self._newest()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is request:
+                        break
+                else:
+                    self.slots.add_pages(request, self.free_pages.take(1))
+                    batch.append(request)
             else:
-                self.slots.add_pages(request, self.free_pages.take(self._pages_for(request,
-                                                                                    request.num_computed + 1)))
                 batch.append(request)
-        # A request preempted after it joined the batch must not run.
-        batch = [r for r in batch if r.request_id in self.running]
+        if preempted:  # a request preempted after it joined the batch must not run
+            batch = [r for r in batch if r.request_id in self.running]
         for request in batch:
             request.num_computed += 1
         return batch
@@ -186,20 +192,23 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
 
     def finish_extend(self, chunks, sampled) -> list[Request]:
-        """Account for an extend step's tokens; sampled[i] is the token drawn after chunk i. Returns the requests
-        that got a token (those whose chunk completed their prompt)."""
+        """Account for an extend step's tokens; sampled[i] (a python int) is the token drawn after chunk i. Returns
+        the requests that got a token (those whose chunk completed their prompt)."""
         got = []
         for (request, start, length), token in zip(chunks, sampled):
             if start + length == len(request.token_ids) and not request.finished:
-                self._append(request, int(token))
+                self._append(request, token)
                 got.append(request)
         return got
 
     def finish_decode(self, batch, sampled) -> list[Request]:
+        """Account for a decode step's tokens (python ints, one per request of the batch); returns the requests that
+        got one."""
         got = []
+        finished = RequestStatus.FINISHED
         for request, token in zip(batch, sampled):
-            if not request.finished:  # a token past a stop that was still in flight is dropped
-                self._append(request, int(token))
+            if request.status is not finished:  # a token past a stop that was still in flight is dropped
+                self._append(request, token)
                 got.append(request)
         return got
 

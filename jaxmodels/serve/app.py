@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health and Prometheus metrics.
+
+Requests are validated and tokenized on the event loop, then handed to the engine thread (`EngineWorker`); their
+tokens come back as text deltas (`Generation`), streamed as server-sent events or collected into one response.
+Every failure is answered with OpenAI's error JSON, and the server keeps serving.
+"""
+
+import asyncio
+import contextlib
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from jaxmodels.serve.chat_template import ChatTemplate, ChatTemplateError
+from jaxmodels.serve.generation import Generation, Rejection
+from jaxmodels.serve.metrics import ServerStats, prometheus_text
+from jaxmodels.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from jaxmodels.serve.responses import ChatResponses, CompletionResponses, sse, usage
+from jaxmodels.serve.worker import EngineWorker
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its (non-streamed) response was ready."""
+
+
+class _Server:
+    """What the routes share: the engine thread, the tokenizer and template, the limits and the counters."""
+
+    def __init__(self, llm, *, model_name: str, chat_template: ChatTemplate | None, max_queued_requests: int):
+        self.model_name = model_name
+        self.tokenizer = llm.tokenizer
+        self.chat_template = chat_template
+        self.max_seq_len = llm.engine.max_seq_len
+        # The engine holds max_batch_size requests at once; the server queues at most max_queued_requests more.
+        self.capacity = llm.metrics()["slots_total"] + max_queued_requests
+        self.stats = ServerStats()
+        self.started = int(time.time())
+        self.worker: EngineWorker | None = None  # started with the app (it needs the running event loop)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer.json: send the prompt as token ids", param="prompt")
+        return self.tokenizer.encode(prompt).ids  # with the tokenizer's special tokens, as LLM.generate encodes
+
+    def check_stops(self, stops: list[str]) -> list[str]:
+        if stops and self.tokenizer is None:
+            raise APIError(400, "stop strings need the model's tokenizer.json; use stop_token_ids", param="stop")
+        return stops
+
+    def max_new_tokens(self, max_tokens: int | None, prompt: list[int]) -> int:
+        # At least 1, so that a prompt that is too long is reported as such (not as a bad max_tokens).
+        room = max(self.max_seq_len - len(prompt), 1)
+        return room if max_tokens is None else max_tokens
+
+    async def start(self, work, stops: list[str]) -> Generation:
+        """Queue the work in the engine (APIError 400 or 503 when it cannot be)."""
+        if self.worker.failure is not None:
+            raise APIError(503, self.worker.failure)
+        if len(work) > self.capacity:
+            raise APIError(400, f"{len(work)} choices exceed the {self.capacity} requests this server holds at "
+                                f"once", param="n")
+        if self.stats.pending + len(work) > self.capacity:
+            raise APIError(503, f"the server is full ({self.stats.pending} requests in flight, at most "
+                                f"{self.capacity}); retry later", code="queue_full")
+        generation = Generation(self.worker, self.stats, work, tokenizer=self.tokenizer, stops=stops)
+        await generation.submit()
+        return generation
+
+    async def metrics(self) -> dict:
+        if self.worker.failure is not None:
+            raise APIError(503, self.worker.failure)
+        return await asyncio.wrap_future(self.worker.call(self.worker.snapshot))
+
+
+def build_app(llm, *, model_name: str, chat_template: ChatTemplate | None = None,
+              max_queued_requests: int = 1024) -> FastAPI:
+    """The app serving `llm` (whose engine it takes over: from its start on, only its engine thread may touch the
+    engine). `model_name` is the id clients send as `model`."""
+    server = _Server(llm, model_name=model_name, chat_template=chat_template,
+                     max_queued_requests=max_queued_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.worker = EngineWorker(llm.engine, asyncio.get_running_loop())
+        server.worker.start()
+        yield
+        await asyncio.to_thread(server.worker.stop)
+
+    app = FastAPI(title="jaxmodels", lifespan=lifespan)
+    app.state.server = server
+
+    def error_response(error: APIError) -> JSONResponse:
+        server.stats.rejected[error.status] += 1
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, error: APIError):
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request, error: RequestValidationError):
+        return error_response(validation_error(error))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):
+        return error_response(APIError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request, error):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed the request"
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, error: Exception):
+        return error_response(APIError(500, f"internal error: {type(error).__name__}: {error}"))
+
+    @app.get("/health")
+    async def health():
+        if server.worker.failure is not None:
+            raise APIError(503, server.worker.failure)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        server.check_model(model)
+        return model_card()
+
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "jaxmodels",
+                "max_model_len": server.max_seq_len}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(await server.metrics(), server.stats),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body.model)
+        prompts = [server.encode(p) for p in body.prompt]
+        stops = server.check_stops(body.stop_strings)
+        work = [(prompt, params) for prompt in prompts
+                for params in body.sampling_params(server.max_new_tokens(body.max_tokens, prompt))]
+        try:
+            generation = await server.start(work, stops)
+        except Rejection as e:
+            if len(prompts) > 1 and e.choice is not None:  # say which prompt
+                e.message = f"prompt {e.choice // body.n}: {e.message}"
+            raise
+        responses = CompletionResponses(server.model_name, return_token_ids=body.return_token_ids)
+        if body.stream:
+            return GenerationStream(generation, responses, include_usage_chunk=body.include_usage_chunk)
+        choices = await collect(request, generation)
+        return responses.body(choices, prompts, body.n, usage(generation.prompt_tokens, generation.completion_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_model(body.model)
+        if server.chat_template is None or server.tokenizer is None:
+            raise APIError(400, "this model has no chat template (neither chat_template in tokenizer_config.json "
+                                "nor chat_template.jinja, or no tokenizer.json): use /v1/completions",
+                           param="messages")
+        try:
+            text = server.chat_template.render(body.message_dicts(), add_generation_prompt=body.add_generation_prompt,
+                                               **(body.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from e
+        prompt = server.tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote them
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        work = [(prompt, params) for params in body.sampling_params(server.max_new_tokens(max_tokens, prompt))]
+        generation = await server.start(work, server.check_stops(body.stop_strings))
+        responses = ChatResponses(server.model_name, return_token_ids=body.return_token_ids)
+        if body.stream:
+            return GenerationStream(generation, responses, include_usage_chunk=body.include_usage_chunk)
+        choices = await collect(request, generation)
+        return responses.body(choices, prompt, usage(generation.prompt_tokens, generation.completion_tokens))
+
+    return app
+
+
+class GenerationStream(StreamingResponse):
+    """Server-sent events in OpenAI's chunk format, closed by `data: [DONE]`. The usage goes on the chunk that
+    finishes the last choice, or, with stream_options.include_usage, on a closing chunk without choices (as OpenAI
+    sends it). An error after the stream started arrives as an error event. However the response ends (done, client
+    gone before or while streaming), the generation is closed: unfinished requests are aborted."""
+
+    def __init__(self, generation: Generation, responses, *, include_usage_chunk: bool):
+        super().__init__(self._events(generation, responses, include_usage_chunk), media_type="text/event-stream")
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+    @staticmethod
+    async def _events(generation: Generation, responses, include_usage_chunk: bool):
+        if isinstance(responses, ChatResponses):
+            for index in range(len(generation.choices)):
+                yield sse(responses.role_chunk(index))
+        try:
+            async for delta in generation.deltas():
+                final = generation.done and not include_usage_chunk
+                totals = usage(generation.prompt_tokens, generation.completion_tokens) if final else None
+                yield sse(responses.chunk(delta, totals))
+            if include_usage_chunk:
+                yield sse(responses.usage_chunk(usage(generation.prompt_tokens, generation.completion_tokens)))
+        except APIError as e:
+            yield sse(e.body())
+        yield sse("[DONE]")
+
+
+async def collect(request: Request, generation: Generation) -> list:
+    """The generation's choices, whole; if the client disconnects first, the generation is closed (its requests
+    aborted) and nobody is answered."""
+    try:
+        return await unless_disconnected(request, generation.collect())
+    finally:
+        generation.close()
+
+
+async def unless_disconnected(request: Request, work):
+    """Await `work`; if the client disconnects first, cancel it (its generation then aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise _ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next message the server sends the app is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
