@@ -18,16 +18,15 @@ median of 5 rounds. The last line is the headline.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernel_report import ROWS, open_log, say, section, timeit
 from pallas_kernels.paged_attention import (DEFAULT_BLOCK_K, default_block_q, default_num_splits,
                                             paged_attention_pallas, paged_attention_reference)
 
@@ -36,48 +35,15 @@ PAGE_SIZE = 16
 SHAPES = {"nano9b": dict(heads=40, kv_heads=8, head_dim=128), "nano30b": dict(heads=32, kv_heads=2, head_dim=128)}
 # CPU smoke shapes: R = 5 (padded to 8) as in Nano-9B, tiny contexts.
 TINY = dict(heads=10, kv_heads=2, head_dim=16)
-ROWS: list[str] = []
 BEST: dict[str, tuple[float, float, float]] = {}  # case -> (fastest kernel s, reference s, floor s)
 HEADLINE_CASE = "decode B=32 ctx=8192"
-LOG = None
 INTERPRET = False
 
 
-def say(*a):
-    line = " ".join(str(x) for x in a)
-    print(line, flush=True)
-    if LOG:
-        LOG.write(line + "\n")
-        LOG.flush()
 
 
-def timeit(f, *args, target_s=0.3):
-    """Median seconds per call of an already-jitted f (compiled on the first call, not timed)."""
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    one = time.perf_counter() - t0
-    n = int(min(max(target_s / max(one, 1e-6), 1), 200))
-    rounds = []
-    for _ in range(5 if one < 0.2 else 2):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        rounds.append((time.perf_counter() - t0) / n)
-    return float(np.median(rounds))
 
 
-def section(fn):
-    @functools.wraps(fn)
-    def run(*a, **k):
-        say(f"--- {fn.__name__}")
-        try:
-            fn(*a, **k)
-        except Exception:  # keep going: one broken section must not cost the rest of the device run
-            say(traceback.format_exc())
-            ROWS.append(f"{fn.__name__}: FAILED")
-    return run
 
 
 # ------------------------------------------------------------------------------------------------- problems
@@ -225,7 +191,7 @@ def tile_variants(args):
 
 
 def main():
-    global LOG, INTERPRET
+    global INTERPRET
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="correctness of the compiled kernel first")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run: interpret mode, tiny shapes")
@@ -235,8 +201,7 @@ def main():
     ap.add_argument("--log", default=None)
     args = ap.parse_args()
     INTERPRET = args.interpret
-    if args.log:
-        LOG = open(args.log, "w")
+    open_log(args.log)
     say(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, shape {args.shape if not INTERPRET else 'tiny'}")
     variants = tile_variants(args)

@@ -13,13 +13,13 @@ import argparse
 import functools
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernel_report import ROWS, open_log, say, section, timeit
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas, grouped_matmul_reference
 from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, indexer_topk_pallas,
                                          quantize_index_k_fp8, select_topk_pallas, topk_reference)
@@ -27,34 +27,11 @@ from pallas_kernels.sparse_mla_attention import sparse_mla_attention_pallas, spa
 
 HBM_BPS = 4.25e12
 MXU_FLOPS = 810e12
-ROWS: list[str] = []
 CTXS = [8192, 32768, 131072]
-LOG = None
 
 
-def say(*a):
-    line = " ".join(str(x) for x in a)
-    print(line, flush=True)
-    if LOG:
-        LOG.write(line + "\n")
-        LOG.flush()
 
 
-def timeit(f, *args, target_s=0.3):
-    """Median seconds per call of an already-jitted f (compiled on the first call, not timed)."""
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    one = time.perf_counter() - t0
-    n = int(min(max(target_s / max(one, 1e-6), 1), 200))
-    rounds = []
-    for _ in range(5 if one < 0.2 else 2):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        rounds.append((time.perf_counter() - t0) / n)
-    return float(np.median(rounds))
 
 
 def row(name, t_kernel, t_ref, floor_s, note=""):
@@ -66,16 +43,6 @@ def row(name, t_kernel, t_ref, floor_s, note=""):
     say(line)
 
 
-def section(fn):
-    @functools.wraps(fn)
-    def run(*a, **k):
-        say(f"--- {fn.__name__}")
-        try:
-            fn(*a, **k)
-        except Exception:  # keep going: one broken section must not cost the rest of the device run
-            say(traceback.format_exc())
-            ROWS.append(f"{fn.__name__}: FAILED")
-    return run
 
 
 # ------------------------------------------------------------------------------------------------- checks
@@ -337,7 +304,6 @@ def bench_gmm(quick):
 
 
 def main():
-    global LOG
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one variant and one context per section")
@@ -346,8 +312,7 @@ def main():
     ap.add_argument("--ctx", default="8192,32768,131072", help="indexer contexts")
     args = ap.parse_args()
     CTXS[:] = [int(c) for c in args.ctx.split(",")]
-    if args.log:
-        LOG = open(args.log, "w")
+    open_log(args.log)
     say(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     only = set(filter(None, args.only.split(",")))
     want = lambda s: not only or s in only  # noqa: E731
