@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._dispatch import dot_precision, largest_pow2_divisor, pow2_tile_problem, resolve_impl
+from .packing import count_at_or_below, prefix_sum
 
 
 def grouped_matmul_reference(x, w, group_sizes):
@@ -43,15 +44,18 @@ def make_schedule(group_sizes, M: int, block_m: int):
     sizes = group_sizes.astype(jnp.int32)
     total = jnp.sum(sizes)
     seg_sizes = jnp.concatenate([sizes, (M - total)[None]])  # groups, then the zero tail
-    seg_end = jnp.cumsum(seg_sizes)
+    seg_end = prefix_sum(seg_sizes)
     seg_start = seg_end - seg_sizes
     first_tile = seg_start // block_m
     last_tile = (seg_end - 1) // block_m
     n_tiles = jnp.where(seg_sizes > 0, last_tile - first_tile + 1, 0)
     num_items = pl.cdiv(M, block_m) + E  # each segment boundary adds at most one shared tile
-    item_seg = jnp.repeat(jnp.arange(E + 1, dtype=jnp.int32), n_tiles, total_repeat_length=num_items)
-    item_first = jnp.cumsum(n_tiles) - n_tiles  # first item index of each segment
+    item_end = prefix_sum(n_tiles)
+    item_first = item_end - n_tiles  # first item index of each segment
     i = jnp.arange(num_items, dtype=jnp.int32)
+    # The segment of item i: segments own consecutive items, so it is the count of segments ending at or before i
+    # (items past the last used one land on E + 1 and are masked as unused below).
+    item_seg = jnp.minimum(count_at_or_below(item_end, i), E)
     used = i < jnp.sum(n_tiles)
     tile = first_tile[item_seg] + (i - item_first[item_seg])
     row_start = jnp.maximum(seg_start[item_seg], tile * block_m)

@@ -1,14 +1,23 @@
 """Packed variable-length batches: which sequence each packed token belongs to, and blocks aligned to sequence starts.
 
 `cu_seqlens` int32[S+1] are the sequences' boundaries in the packing (sequence s owns tokens cu[s] .. cu[s+1]-1;
-tokens from cu[S] on are padding). Everything here is computed by comparing against all boundaries rather than by
-binary search: `jnp.searchsorted`'s default lowers to an XLA while loop, and on the GPU each iteration of an XLA
-while loop (like each XLA conditional) copies its predicate to the host and waits for it. The thread that launches
-a step then blocks until the device has caught up, and host and device work cannot overlap. The comparisons are
-O(T * S): a few million at most, a few microseconds.
+tokens from cu[S] on are padding).
+
+Nothing here may lower to an XLA loop, since these run inside every engine step. `jnp.searchsorted`'s default is an
+XLA while loop, and on the GPU each iteration of an XLA while loop (like each XLA conditional) copies its predicate
+to the host and waits for it: the thread that launches a step blocks until the device has caught up, and host and
+device work cannot overlap. So positions are found by comparing against all boundaries (O(T * S): a few million
+compares at most), and prefix sums go through `prefix_sum`: from jax 0.11 on, `jnp.cumsum` lowers on the GPU to a
+`chlo.scan`, whose portable form is a while loop over the elements.
 """
 
 import jax.numpy as jnp
+from jax import lax
+
+
+def prefix_sum(x, axis: int = 0):
+    """Inclusive prefix sum along `axis`, as a log-depth tree of slices and adds (no loop on any jax version)."""
+    return lax.associative_scan(jnp.add, x, axis=axis)
 
 
 def count_at_or_below(boundaries, values):
@@ -40,7 +49,7 @@ def aligned_blocks(cu_seqlens, num_tokens: int, block: int) -> dict:
     num_seqs = cu.shape[0] - 1
     nb = num_blocks_bound(num_tokens, num_seqs, block)
     nblocks = (cu[1:] - cu[:-1] + (block - 1)) // block
-    block_cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblocks).astype(jnp.int32)])
+    block_cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sum(nblocks).astype(jnp.int32)])
     b = jnp.arange(nb, dtype=jnp.int32)
     # First sequence whose block range ends after b; empty sequences own no block and are skipped.
     seq = count_at_or_below(block_cum[1:], b)

@@ -34,6 +34,30 @@ def float32_matmuls():
         yield
 
 
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """`lower(jitted, *args) -> StableHLO text` of the program as a GPU would compile it, on any machine.
+
+    Triton custom calls carry no serialization guarantee, hence the disabled check. From jax 0.11 on, lowering a
+    Pallas Triton kernel asks the device for its compute capability; without a GPU the answer is an H200's.
+    """
+    try:
+        from jax._src.pallas.triton import gpu_info
+        gpu_info.get_gpu_info()
+    except ImportError:  # jax 0.10 asks for nothing
+        pass
+    except ValueError:  # no GPU on this machine
+        monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *args, **kwargs: type("H200", (), {
+            "compute_capability": 90})())
+
+    def lower(jitted, *args) -> str:
+        exported = jax.export.export(jitted, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+        return exported.mlir_module()
+
+    return lower
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = _has_gpu()
     skip = pytest.mark.skip(reason="checks CPU-only behaviour" if has_gpu else "needs a CUDA GPU")

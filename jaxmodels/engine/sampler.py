@@ -13,6 +13,8 @@ conditional copies its predicate to the host and waits for it, blocking the thre
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.packing import prefix_sum
+
 
 def greedy(logits):
     """logits[B,V] -> int32[B], the argmax of each row."""
@@ -32,7 +34,7 @@ def sample(logits, temperature, top_k, top_p, seed, step):
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     ranked = jnp.where(rank < k[:, None], ranked, -jnp.inf)
     probs = jax.nn.softmax(ranked, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    mass_before = prefix_sum(probs, axis=1) - probs  # (not jnp.cumsum: see pallas_kernels.packing)
     ranked = jnp.where(mass_before < top_p[:, None], ranked, -jnp.inf)
 
     def draw(row_logits, row_seed, row_step):

@@ -64,12 +64,10 @@ def test_schedule_covers_every_row_once_per_segment():
     np.testing.assert_array_equal(owner, np.repeat([0, 2, 4, 5], [7, 20, 13, 10]))  # 5 = the zero tail
 
 
-def test_grouped_matmul_lowers_to_triton():
-    from jax import export
+def test_grouped_matmul_lowers_to_triton(cuda_lowering):
     S = jax.ShapeDtypeStruct
-    export.export(jax.jit(lambda x, w, g: grouped_matmul(x, w, g, impl="pallas")), platforms=["cuda"],
-                  disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        S((4096, 2688), jnp.bfloat16), S((128, 2688, 1856 // 2), jnp.bfloat16), S((128,), jnp.int32))
+    cuda_lowering(jax.jit(lambda x, w, g: grouped_matmul(x, w, g, impl="pallas")),
+                  S((4096, 2688), jnp.bfloat16), S((128, 2688, 1856 // 2), jnp.bfloat16), S((128,), jnp.int32))
 
 
 @pytest.mark.gpu

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 from pallas_kernels import indexer_topk, quantize_index_k_fp8
 from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, select_topk_pallas,
@@ -135,18 +134,14 @@ def test_indexer_topk_fp8_cache():
     assert_topk_valid(got, exact, kv_lens, topk, tol=0.1 * scale)
 
 
-def _lower_for_cuda(f, *specs):
-    """Lower to the GPU's Triton IR without a GPU: catches unsupported primitives and block shapes on CPU."""
-    return export.export(jax.jit(f), platforms=["cuda"],
-                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*specs)
-
-
-def test_kernels_lower_to_triton_at_deepseek_shapes():
+def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
+    """Lowering to the GPU's Triton IR without a GPU catches unsupported primitives and block shapes on CPU."""
     S = jax.ShapeDtypeStruct
-    _lower_for_cuda(lambda x, n: select_topk_pallas(x, n, 2048), S((4, 65536), jnp.float32), S((4,), jnp.int32))
-    _lower_for_cuda(
+    cuda_lowering(jax.jit(lambda x, n: select_topk_pallas(x, n, 2048)), S((4, 65536), jnp.float32),
+                  S((4,), jnp.int32))
+    cuda_lowering(jax.jit(
         lambda q, w, k, ks, pt, s, n: indexer_topk(q, w, k, k_scale=ks, kv_lens=n, page_table=pt, seq_ids=s,
-                                                    topk=2048, impl="pallas"),
+                                                    topk=2048, impl="pallas")),
         S((64, 64, 128), jnp.bfloat16), S((64, 64), jnp.float32), S((512, 64, 128), jnp.float8_e4m3fn),
         S((512, 64), jnp.float32), S((2, 256), jnp.int32), S((64,), jnp.int32), S((64,), jnp.int32))
 

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import mamba_ssd
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
 
 IMPLS = ["xla", "pallas"]

@@ -203,17 +203,14 @@ LOWERING_CASES = [(4, 4, 40, 8, jnp.bfloat16), (64, 64, 40, 8, jnp.bfloat16), (2
 
 
 @pytest.mark.parametrize("num_tokens,num_seqs,heads,kv_heads,dtype", LOWERING_CASES)
-def test_kernel_lowers_to_triton(num_tokens, num_seqs, heads, kv_heads, dtype):
+def test_kernel_lowers_to_triton(num_tokens, num_seqs, heads, kv_heads, dtype, cuda_lowering):
     """Real model shapes lower to Triton IR (the GPU compile itself is checked by the gpu test and the bench)."""
-    from jax import export
     S = jax.ShapeDtypeStruct
     cache = S((512, 16, kv_heads, 128), dtype)
     f = jax.jit(lambda q, k, v, pt, cu, pos: paged_attention(q, k, v, page_table=pt, cu_seqlens=cu, positions=pos,
                                                               scale=128 ** -0.5, impl="pallas"))
-    export.export(f, platforms=["cuda"],
-                  disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        S((num_tokens, heads, 128), dtype), cache, cache, S((num_seqs, 256), jnp.int32),
-        S((num_seqs + 1,), jnp.int32), S((num_tokens,), jnp.int32))
+    cuda_lowering(f, S((num_tokens, heads, 128), dtype), cache, cache, S((num_seqs, 256), jnp.int32),
+                  S((num_seqs + 1,), jnp.int32), S((num_tokens,), jnp.int32))
 
 
 @pytest.mark.gpu

@@ -73,13 +73,10 @@ def test_logical_to_cache_rows():
     np.testing.assert_array_equal(np.asarray(rows), [[24, 9, 33, -1], [23, 40, -1, 7]])
 
 
-def test_sparse_mla_lowers_to_triton():
-    from jax import export
+def test_sparse_mla_lowers_to_triton(cuda_lowering):
     S = jax.ShapeDtypeStruct
-    export.export(jax.jit(lambda q, c, i: sparse_mla_attention(q, c, i, scale=0.1, impl="pallas")),
-                  platforms=["cuda"],
-                  disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32))
+    cuda_lowering(jax.jit(lambda q, c, i: sparse_mla_attention(q, c, i, scale=0.1, impl="pallas")),
+                  S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32))
 
 
 @pytest.mark.gpu
