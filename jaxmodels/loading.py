@@ -1,13 +1,12 @@
 """`load_model`: an HF checkpoint directory (or one we converted) -> an nnx model with its weights."""
 
-import os
-
 import jax.numpy as jnp
 
 from bridge.checkpoint import open_checkpoint
 from bridge.converted import converted_dtype, is_converted_dir, restore_converted, save_converted
 from bridge.loader import load_params
 from jaxmodels.configs import load_config, read_config_dict
+from jaxmodels.hub import resolve_model_path
 from jaxmodels.models.registry import abstract_model, checkpoint_ignore_patterns, merge_params
 
 
@@ -20,7 +19,8 @@ def build_from_reader(config, reader, dtype, *, progress: bool = True, matmul_pr
 
 def load_model(path, dtype="float32", *, converted_cache=None, progress: bool = True,
                matmul_precision: str | None = None):
-    """Load a model from an HF checkpoint directory, or from a directory `save_converted` wrote.
+    """Load a model from an HF checkpoint directory (or a Hugging Face Hub id), or from a directory `save_converted`
+    wrote.
 
     `dtype` is the dtype of the params and activations (router weights stay float32). With `converted_cache`, the
     converted params are saved there with orbax after the first load and restored from there afterwards (the
@@ -29,7 +29,7 @@ def load_model(path, dtype="float32", *, converted_cache=None, progress: bool = 
     `dtype` is also the compute precision: a float32 model runs its matmuls in full float32 on the GPU too (not
     TF32); `matmul_precision` overrides that (see jaxmodels.precision).
     """
-    path = os.fspath(path)
+    path = resolve_model_path(path)  # a Hub id -> its snapshot directory
     dtype = jnp.dtype(dtype)
     if converted_cache is not None and is_converted_dir(converted_cache):
         return _restore(converted_cache, dtype, matmul_precision)
