@@ -232,7 +232,8 @@ def bench_sparse_mla(quick):
         idx = jax.random.randint(jax.random.key(B + 1), (B, k), 0, rows).astype(jnp.int32)
         t_r = timeit(jax.jit(lambda q, c, i: sparse_mla_attention_reference(q, c, i, scale=0.04)), q, cache, idx)
         floor = (B * k * 576 * 2 + B * H * 576 * 2 + B * H * 512 * 2 + B * k * 4) / HBM_BPS
-        for opts in ([dict()] if quick else [dict(), dict(num_stages=2), dict(num_stages=3, block_k=16)]):
+        for opts in ([dict()] if quick else [dict(), dict(num_stages=2), dict(num_stages=3, block_k=16),
+                                             dict(block_k=64, num_stages=3)]):
             f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
             row(f"sparse MLA decode B={B} {opts}", timeit(f, q, cache, idx), t_r, floor, "ref = XLA gather+einsum")
 
@@ -246,10 +247,9 @@ def bench_sparse_mla_prefill(quick):
     q = jax.random.normal(jax.random.key(T), (T, H, 576)).astype(jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(T + 1), (T, k), 0, rows).astype(jnp.int32)
     floor = 2 * T * H * k * (576 + 512) / 810e12
-    variants = [dict()] if quick else [
-        dict(), dict(num_warps=8, num_stages=2), dict(block_k=64, num_warps=8, num_stages=2),
-        dict(block_h=64, num_warps=8, num_stages=2), dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
-        dict(block_h=16, block_k=64, num_warps=4, num_stages=2), dict(block_k=64, num_warps=4, num_stages=3)]
+    variants = [dict()] if quick else [  # dict() = the defaults for a prefill chunk (PREFILL_TILES)
+        dict(), dict(block_k=32, num_stages=1), dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
+        dict(block_k=128, num_stages=2), dict(block_h=64, block_k=64, num_stages=3)]
     for opts in variants:
         f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
         row(f"sparse MLA prefill T={T} {opts}", timeit(f, q, cache, idx), None, floor, "floor = FLOPs at 810 TFLOP/s")

@@ -32,3 +32,18 @@ def test_benchmark_reports_every_phase(tmp_path, capsys):
     assert [row["batch"] for row in data["transformers"]["decode"]] == [1, 4]
     assert "### serving run" in out
     assert out.strip().splitlines()[-1].startswith("headline: decode B=4")
+
+
+def test_profile_covers_only_the_measured_phases(tmp_path, capsys):
+    """Without the prefill phase the engine is not sized for the (default 4096-token) prefill prompt, so the
+    profile must not run it; the results JSON is written before profiling."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    results = tmp_path / "results.json"
+    main(["bench", "--config", str(config), "--layers", "2", "--phases", "decode", "--batches", "2",
+          "--prompt-len", "8", "--decode-steps", "4", "--dtype", "float32", "--no-progress",
+          "--json", str(results), "--profile", str(tmp_path / "traces")])
+    out = capsys.readouterr().out
+    assert json.loads(results.read_text())["decode"][0]["batch"] == 2
+    assert "## profile: decode B=2" in out
+    assert "## profile: prefill" not in out

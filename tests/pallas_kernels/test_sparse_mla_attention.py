@@ -87,3 +87,27 @@ def test_sparse_mla_on_gpu():
     got = sparse_mla_attention(qb, cb, idx, scale=0.04, impl="pallas")
     err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
     assert err < 2e-2
+
+
+def test_prefill_tiles_only_for_16_bit_chunks():
+    """The large prefill tiles need 216 KiB of shared memory in 16-bit; float32 chunks and decode keep the small."""
+    from pallas_kernels.sparse_mla_attention import PREFILL_MIN_QUERIES, PREFILL_TILES, default_tiles
+
+    assert default_tiles(PREFILL_MIN_QUERIES, jnp.bfloat16) == PREFILL_TILES
+    assert default_tiles(PREFILL_MIN_QUERIES, jnp.float32)["block_k"] == 32
+    assert default_tiles(PREFILL_MIN_QUERIES - 1, jnp.bfloat16)["block_k"] == 32
+
+
+def test_prefill_tiles_match_reference_in_interpret_mode():
+    """A chunk long enough for the prefill tiles (64-row gathers over a top-k that is not a multiple of 64)."""
+    from pallas_kernels.sparse_mla_attention import PREFILL_MIN_QUERIES
+
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    T, H, dl, dr, rows, topk = PREFILL_MIN_QUERIES, 2, 32, 16, 256, 80
+    q = jax.random.normal(k1, (T, H, dl + dr)).astype(jnp.bfloat16)
+    cache = jax.random.normal(k2, (rows // 16, 16, dl + dr)).astype(jnp.bfloat16)
+    idx = jax.random.randint(k3, (T, topk), -1, rows).astype(jnp.int32)
+    want = sparse_mla_attention(q, cache, idx, scale=0.2, kv_lora_rank=dl, impl="xla")
+    got = sparse_mla_attention(q, cache, idx, scale=0.2, kv_lora_rank=dl, impl="pallas", interpret=True)
+    # bf16 inputs and output, P rounded to bf16 before P @ V: bf16-level error, as in test_sparse_mla_bf16.
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
