@@ -54,6 +54,11 @@ def pow2_tile_problem(name: str, size: int, minimum: int = 16) -> str | None:
     return None
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton tiles are powers of two, padded up by masks."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def largest_pow2_divisor(n: int, cap: int) -> int:
     """The largest power of two that divides `n` and is at most `cap`."""
     return min(n & -n, cap)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._dispatch import resolve_impl
-from pallas_kernels.packing import token_sequence_ids
+from pallas_kernels.packing import token_sequences
 
 _ACTS = (None, "silu", "swish")
 
@@ -46,9 +46,7 @@ def causal_conv1d_xla(x, weight, bias, *, cu_seqlens, initial_states=None, activ
     S = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     t = jnp.arange(T, dtype=jnp.int32)
-    tseq = jnp.minimum(token_sequence_ids(cu, T), S - 1)
-    off = t - cu[tseq]
-    tvalid = t < cu[S]
+    tseq, off, tvalid = token_sequences(cu, T)
     if initial_states is None:
         init = jnp.zeros((S, Cdim, K - 1), jnp.float32)
     else:

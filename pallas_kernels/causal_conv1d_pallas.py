@@ -25,7 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.packing import aligned_blocks
+from pallas_kernels._dispatch import next_pow2
+from pallas_kernels.packing import aligned_blocks, for_each_padding_block
 
 _f32 = jnp.float32
 # Static column indices are passed as jnp.int32: interpret mode's load rule needs array-typed scalar indices.
@@ -92,16 +93,13 @@ def _conv_kernel(bseq_ref, bstart_ref, blen_ref, cu_ref, x_ref, w_ref, bias_ref,
 
         @pl.when(s == S - 1)
         def _zero_tail():
-            tail0 = cu_ref[S]
             zeros = jnp.zeros((BT, BC), y_ref.dtype)
 
-            def zero_block(k, carry):
-                t = tail0 + k * BT
+            def zero_block(t):
                 plgpu.store(y_ref.at[pl.ds(row_base + t, BT), pl.ds(c0, BC)], zeros,
                             mask=(rows < (T - t))[:, None] & cmask[None, :])
-                return carry
 
-            lax.fori_loop(0, (T - tail0 + (BT - 1)) // BT, zero_block, 0)
+            for_each_padding_block(cu_ref, T, BT, zero_block)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "block_t", "block_c", "num_warps", "interpret"))
@@ -138,7 +136,7 @@ def causal_conv1d_pallas(x, weight, bias, *, cu_seqlens, initial_states=None, ac
                          block_t=64, block_c=256, num_warps=4):
     if weight.shape[1] < 2:
         raise ValueError("the conv kernel needs K >= 2")
-    block_c = min(block_c, max(16, 1 << (x.shape[1] - 1).bit_length()))
+    block_c = min(block_c, max(16, next_pow2(x.shape[1])))
     return _conv_pallas(x, weight, bias, cu_seqlens, initial_states, activation=activation, block_t=block_t,
                         block_c=block_c, num_warps=num_warps, interpret=interpret)
 
@@ -182,6 +180,6 @@ def causal_conv1d_update_pallas(x, conv_state, weight, bias, *, slot_ids, activa
                                 block_c=256, num_warps=4):
     if weight.shape[1] < 2:
         raise ValueError("the conv kernel needs K >= 2")
-    block_c = min(block_c, max(16, 1 << (x.shape[1] - 1).bit_length()))
+    block_c = min(block_c, max(16, next_pow2(x.shape[1])))
     return _update_pallas(x, conv_state, weight, bias, slot_ids, activation=activation, block_c=block_c,
                           num_warps=num_warps, interpret=interpret)

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, largest_pow2_divisor, pow2_tile_problem, resolve_impl
+from ._dispatch import dot_precision, largest_pow2_divisor, next_pow2, pow2_tile_problem, resolve_impl
 from .packing import count_at_or_below, prefix_sum
 
 
@@ -102,7 +102,7 @@ def default_block_m(rows: int, experts: int) -> int:
     compute (and hold registers for) mostly masked rows, while the weights, which dominate, are read once either way.
     """
     mean = -(-rows // max(experts, 1))
-    return min(128, max(16, 1 << max(mean - 1, 0).bit_length()))
+    return min(128, max(16, next_pow2(mean)))
 
 
 def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, block_n: int = 256, block_k: int = 64,

@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, first_problem, pow2_tile_problem, resolve_impl
+from ._dispatch import dot_precision, first_problem, next_pow2, pow2_tile_problem, resolve_impl
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -135,10 +135,6 @@ def indexer_topk(q, weights, k_cache, *, kv_lens, topk: int, page_table=None, se
 _INT_MIN = -(2**31)
 _INT_MAX = 2**31 - 1
 _GROUP = 4  # keys per group in the first-pass group maxima (candidates <= _GROUP * topk)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, block_q, block_kv, page_size,
@@ -368,7 +364,7 @@ def select_topk_pallas(logits, kv_lens, topk: int, *, n_rows: int | None = None,
     chunk = min(chunk, N)
     if N % chunk or chunk & (chunk - 1) or chunk < _GROUP:
         raise ValueError(f"row length {N} must be a multiple of a power-of-two chunk {chunk} >= {_GROUP}")
-    topk_pad = _next_pow2(topk)
+    topk_pad = next_pow2(topk)
     cap = _GROUP * topk_pad
     kernel = functools.partial(_select_kernel, n_cols=N, topk=topk, topk_pad=topk_pad, chunk=chunk, cap=cap,
                                gmax_in_registers=gmax_in_registers, interpret=interpret)
@@ -391,7 +387,7 @@ def indexer_topk_pallas(q, weights, k_cache, *, kv_lens, topk, page_table=None, 
     T = q.shape[0]
     k_cache_n, _, page_table_n, _ = _normalise_layout(k_cache, k_scale, page_table, seq_ids, T)
     n_keys = page_table_n.shape[1] * k_cache_n.shape[1]
-    chunk = min(chunk, max(16, _next_pow2(n_keys)))
+    chunk = min(chunk, max(16, next_pow2(n_keys)))
     n_pad = pl.cdiv(n_keys, chunk) * chunk
     kv_lens = jnp.minimum(kv_lens.astype(jnp.int32), n_keys)
     logits = index_logits_pallas(q, weights, k_cache, kv_lens=kv_lens, page_table=page_table, seq_ids=seq_ids,

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._dispatch import resolve_impl
-from pallas_kernels.packing import aligned_blocks, token_sequence_ids
+from pallas_kernels.packing import aligned_blocks, token_sequences
 
 _HI = lax.Precision.HIGHEST
 
@@ -167,11 +167,7 @@ def ssd_chunk_scan_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, in
     yc = (y_diag + y_off).reshape(nc, L, H, P)
 
     # Back from chunk layout to tokens.
-    cu = cu_seqlens.astype(jnp.int32)
-    t = jnp.arange(T, dtype=jnp.int32)
-    tseq = jnp.minimum(token_sequence_ids(cu, T), S - 1)
-    off = t - cu[tseq]
-    tvalid = t < cu[S]
+    tseq, off, tvalid = token_sequences(cu_seqlens, T)
     tchunk = jnp.clip(tab["block_begin"][tseq] + off // L, 0, nc - 1)
     y = yc[tchunk, off % L]
     if D is not None:

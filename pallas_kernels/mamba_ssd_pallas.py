@@ -33,18 +33,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels._dispatch import dot_precision
+from pallas_kernels._dispatch import dot_precision, next_pow2
+from pallas_kernels._mamba_tiles import head_tile, softplus
+from pallas_kernels.packing import for_each_padding_block
 
 _f32 = jnp.float32
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def _softplus(v):
-    # Stable form that lowers to exp/log1p in Triton: max(v, 0) + log1p(exp(-|v|)).
-    return jnp.maximum(v, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(v)))
 
 
 def _dot(a, b, contract, precision):
@@ -61,11 +54,8 @@ def _ssd_kernel(cu_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *res
         init_ref, y_ref, fin_ref = rest
     else:
         y_ref, fin_ref = rest
-    pid = pl.program_id(0)
+    h, g, p0, pmask, nmask, pn_mask = head_tile(pl.program_id(0), npb=npb, BP=BP, BN=BN, P=P, N=N, R=R)
     s = pl.program_id(1)
-    h = pid // npb
-    p0 = (pid % npb) * BP
-    g = h // R
 
     seq_start = cu_ref[s]
     seq_end = cu_ref[s + 1]
@@ -75,9 +65,6 @@ def _ssd_kernel(cu_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *res
     dtb = dtb_ref[h].astype(_f32)
 
     rows = lax.broadcasted_iota(jnp.int32, (BT,), 0)
-    pmask = (p0 + lax.broadcasted_iota(jnp.int32, (BP,), 0)) < P
-    nmask = lax.broadcasted_iota(jnp.int32, (BN,), 0) < N
-    pn_mask = pmask[:, None] & nmask[None, :]
     causal = rows[:, None] >= rows[None, :]
     is_last_row = rows == BT - 1
 
@@ -110,7 +97,7 @@ def _ssd_kernel(cu_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *res
 
         dt = dt + dtb
         if dt_softplus:
-            dt = _softplus(dt)
+            dt = softplus(dt)
         if dt_limit is not None:
             dt = jnp.clip(dt, dt_limit[0], dt_limit[1])
         # Rows past the sequence end get dt = 0: no decay, no input, so cum stays flat and cum[BT-1] is the value at
@@ -145,16 +132,13 @@ def _ssd_kernel(cu_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *res
     # Tokens past cu[-1] (bucket padding) belong to no sequence; the last sequence's programs zero them.
     @pl.when(s == num_seqs - 1)
     def _zero_tail():
-        tail0 = cu_ref[num_seqs]
         zeros = jnp.zeros((BT, BP), y_ref.dtype)
 
-        def zero_block(k, carry):
-            t0 = tail0 + k * BT
+        def zero_block(t0):
             mask = (rows < (num_tokens - t0))[:, None] & pmask[None, :]
             plgpu.store(y_ref.at[pl.ds(t0, BT), h, pl.ds(p0, BP)], zeros, mask=mask)
-            return carry
 
-        lax.fori_loop(0, (num_tokens - tail0 + (BT - 1)) // BT, zero_block, 0)
+        for_each_padding_block(cu_ref, num_tokens, BT, zero_block)
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "block_t", "block_p", "num_warps",
@@ -168,9 +152,9 @@ def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, d
     G, N = B.shape[1:]
     S = cu_seqlens.shape[0] - 1
     # Triton's dot needs every tile dim >= 16; the masks make the extra rows and columns inert.
-    BP = max(min(_next_pow2(P), block_p), 16)
+    BP = max(min(next_pow2(P), block_p), 16)
     npb = -(-P // BP)
-    BN = max(_next_pow2(N), 16)
+    BN = max(next_pow2(N), 16)
     BT = block_t
     compute_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else _f32
     precision = dot_precision(compute_dtype)
@@ -205,7 +189,7 @@ def _default_block_p(H: int, P: int, S: int, min_programs: int = 256) -> int:
     vs 64 wide 1.26 ms); with 16 sequences the widest tile wins (Nano-9B S=16: 128 wide 0.96 ms vs 64 wide 1.21 ms),
     since it computes C Bᵀ once per head instead of once per tile. Tiles narrower than 32 were slower still.
     """
-    bp = _next_pow2(P)
+    bp = next_pow2(P)
     while bp > 32 and H * (-(-P // bp)) * S < min_programs:
         bp //= 2
     return bp
@@ -220,7 +204,7 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     if block_p is None:
         block_p = _default_block_p(H, P, cu_seqlens.shape[0] - 1)
     if block_t is None:
-        block_t = max(16, min(_next_pow2(chunk_size), 32))
+        block_t = max(16, min(next_pow2(chunk_size), 32))
     if block_t < 16 or block_t & (block_t - 1):
         raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
     D = jnp.zeros((H,), _f32) if D is None else D

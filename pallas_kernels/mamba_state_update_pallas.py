@@ -16,38 +16,25 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._dispatch import largest_pow2_divisor, next_pow2
+from pallas_kernels._mamba_tiles import head_tile, softplus
+
 _f32 = jnp.float32
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def _softplus(v):
-    return jnp.maximum(v, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(v)))
 
 
 def _update_kernel(slot_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, state_in_ref, y_ref, state_ref, *,
                    P, N, R, BP, BN, npb, dt_softplus):
     del state_in_ref  # aliased to state_ref
     b = pl.program_id(0)
-    pid = pl.program_id(1)
-    h = pid // npb
-    p0 = (pid % npb) * BP
-    g = h // R
+    h, g, p0, pmask, nmask, pn_mask = head_tile(pl.program_id(1), npb=npb, BP=BP, BN=BN, P=P, N=N, R=R)
     slot = slot_ref[b]
-
-    pmask = (p0 + lax.broadcasted_iota(jnp.int32, (BP,), 0)) < P
-    nmask = lax.broadcasted_iota(jnp.int32, (BN,), 0) < N
-    pn_mask = pmask[:, None] & nmask[None, :]
 
     dt = dt_ref[b, h].astype(_f32) + dtb_ref[h].astype(_f32)
     if dt_softplus:
-        dt = _softplus(dt)
+        dt = softplus(dt)
     decay = jnp.exp(dt * a_ref[h].astype(_f32))
     x = plgpu.load(x_ref.at[b, h, pl.ds(p0, BP)], mask=pmask, other=0.0).astype(_f32)
     bv = plgpu.load(b_ref.at[b, g, pl.ds(0, BN)], mask=nmask, other=0.0).astype(_f32)
@@ -64,9 +51,9 @@ def _update_kernel(slot_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref,
 def _update_pallas(state, x, dt, A, B, C, D, dt_bias, slot_ids, *, dt_softplus, block_p, num_warps, interpret):
     Bsz, H, P = x.shape
     G, N = B.shape[1:]
-    BP = min(P & -P, block_p)  # largest power-of-two divisor of P: no masked-off lanes
+    BP = largest_pow2_divisor(P, block_p)  # no masked-off lanes
     npb = P // BP
-    BN = _next_pow2(N)
+    BN = next_pow2(N)
     kernel = functools.partial(_update_kernel, P=P, N=N, R=H // G, BP=BP, BN=BN, npb=npb, dt_softplus=dt_softplus)
     return pl.pallas_call(
         kernel,

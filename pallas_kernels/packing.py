@@ -3,12 +3,18 @@
 `cu_seqlens` int32[S+1] are the sequences' boundaries in the packing (sequence s owns tokens cu[s] .. cu[s+1]-1;
 tokens from cu[S] on are padding).
 
+Two conventions for the sequence of a padding token, each for its use: `token_sequence_ids` gives it S, one past the
+last sequence (an index into arrays with a spare row for padding, like the engine's page table with its null row;
+`id < S` tells real tokens); `token_sequences` clamps it to S - 1, for gathering from arrays of exactly S rows, and
+returns the real-token mask beside it so that what padding tokens compute from the last sequence's rows is dropped.
+
 Nothing here may lower to an XLA loop, since these run inside every engine step. `jnp.searchsorted`'s default is an
 XLA while loop, and on the GPU each iteration of an XLA while loop (like each XLA conditional) copies its predicate
 to the host and waits for it: the thread that launches a step blocks until the device has caught up, and host and
 device work cannot overlap. So positions are found by comparing against all boundaries (O(T * S): a few million
 compares at most), and prefix sums go through `prefix_sum`: from jax 0.11 on, `jnp.cumsum` lowers on the GPU to a
-`chlo.scan`, whose portable form is a while loop over the elements.
+`chlo.scan`, whose portable form is a while loop over the elements. The one loop here, `for_each_padding_block`,
+is for Pallas kernel bodies, which lower to Triton and not to XLA.
 """
 
 import jax.numpy as jnp
@@ -27,9 +33,25 @@ def count_at_or_below(boundaries, values):
 
 
 def token_sequence_ids(cu_seqlens, num_tokens: int):
-    """int32[T]: the sequence of each packed token; S (one past the last sequence) for padding tokens."""
+    """int32[T]: the sequence of each packed token; S (one past the last sequence) for padding tokens, so `ids < S`
+    marks the real ones. To index arrays of exactly S rows, clamp (`token_sequences` does, with that mask)."""
     cu = cu_seqlens.astype(jnp.int32)
     return count_at_or_below(cu[1:], jnp.arange(num_tokens, dtype=jnp.int32))
+
+
+def token_sequences(cu_seqlens, num_tokens: int):
+    """(seq, offset, real), int32[T], int32[T], bool[T]: each packed token's sequence, for indexing arrays of S rows.
+
+    real[t] = t < cu[S]. seq[t] is `token_sequence_ids` clamped to S - 1: a padding token gets the last sequence,
+    and whatever it computes from that sequence's rows must be masked with `real`. offset[t] = t - cu[seq[t]], the
+    token's index within its sequence's span of this packing (past that span's end for a padding token); it is not
+    the token's position in its request, which in a chunked prefill does not start at 0.
+    """
+    num_seqs = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    ids = token_sequence_ids(cu, num_tokens)
+    seq = jnp.minimum(ids, num_seqs - 1)
+    return seq, jnp.arange(num_tokens, dtype=jnp.int32) - cu[seq], ids < num_seqs
 
 
 def num_blocks_bound(num_tokens: int, num_seqs: int, block: int) -> int:
@@ -66,3 +88,19 @@ def aligned_blocks(cu_seqlens, num_tokens: int, block: int) -> dict:
         block_begin=block_cum[:-1],
         nblocks=nblocks,
     )
+
+
+def for_each_padding_block(cu_ref, num_tokens: int, block: int, body) -> None:
+    """Inside a Pallas kernel: body(t0) for t0 = cu[S], cu[S] + block, ... below num_tokens, the blocks of bucket
+    padding that a kernel zeroes; the last block may run past num_tokens, so `body` masks its rows.
+
+    Kernel bodies only: there the loop is a Triton loop, where elsewhere it would be the XLA while loop this module
+    keeps out of the step programs.
+    """
+    padding_start = cu_ref[cu_ref.shape[0] - 1]
+
+    def step(i, carry):
+        body(padding_start + i * block)
+        return carry
+
+    lax.fori_loop(0, (num_tokens - padding_start + (block - 1)) // block, step, 0)

@@ -53,18 +53,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, pow2_tile_problem, resolve_impl
-from .packing import aligned_blocks, num_blocks_bound, token_sequence_ids
+from ._dispatch import dot_precision, next_pow2, pow2_tile_problem, resolve_impl
+from .packing import aligned_blocks, for_each_padding_block, num_blocks_bound, token_sequences
 
 _f32 = jnp.float32
 _TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): below that, split the keys
 _MIN_TILES_PER_SPLIT = 4  # a split should own at least this many key tiles of the longest possible context
 _MAX_SPLITS = 64
 DEFAULT_BLOCK_K = 64
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _cdiv(a, b):
@@ -88,12 +84,6 @@ def _check_shapes(q, k_pages, v_pages, page_table, cu_seqlens, positions):
         raise ValueError(f"positions must be [T={T}], got {positions.shape}")
 
 
-def _token_sequences(cu_seqlens, num_tokens: int):
-    """Sequence of each token (clipped to the last one for padding tokens) and whether the token is real."""
-    seq = token_sequence_ids(cu_seqlens, num_tokens)
-    return jnp.minimum(seq, cu_seqlens.shape[0] - 2), seq < cu_seqlens.shape[0] - 1
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # XLA reference
 # ----------------------------------------------------------------------------------------------------------------
@@ -106,7 +96,7 @@ def paged_attention_reference(q, k_pages, v_pages, *, page_table, cu_seqlens, po
     T, H, d = q.shape
     Hk = k_pages.shape[2]
     R = H // Hk
-    seq, real = _token_sequences(cu_seqlens, T)
+    seq, _, real = token_sequences(cu_seqlens, T)
     token_pages = page_table.astype(jnp.int32)[seq]  # [T, P]
     keys = k_pages[token_pages].reshape(T, -1, Hk, d)  # [T, P * page_size, Hk, d]
     values = v_pages[token_pages].reshape(T, -1, Hk, d)
@@ -211,17 +201,15 @@ def _paged_attention_kernel(blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, pos
         @pl.when(b == num_blocks - 1)
         def _zero_padding_tokens():
             (o_ref,) = out_refs
-            tail0 = cu_ref[cu_ref.shape[0] - 1]
             zeros = jnp.zeros((M, head_dim), o_ref.dtype)
 
-            def zero_block(i, carry):
-                t = tail0 + i * block_q + row_token
+            def zero_block(t0):
+                t = t0 + row_token
                 pad = (t < num_tokens) & (row_head < group)
                 rows = jnp.where(pad, t * heads + g * group + row_head, num_tokens * heads)
                 plgpu.store(o_ref.at[rows[:, None], cols], zeros, mask=pad[:, None])
-                return carry
 
-            lax.fori_loop(0, _cdiv(num_tokens - tail0, block_q), zero_block, 0)
+            for_each_padding_block(cu_ref, num_tokens, block_q, zero_block)
 
 
 def _combine_splits(parts, lse, real_tokens, out_dtype):
@@ -245,7 +233,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, cu_seqlens, positio
     T, H, d = q.shape
     num_pages, page_size, Hk, _ = k_pages.shape
     S, max_pages = page_table.shape
-    r_pad = _next_pow2(H // Hk)
+    r_pad = next_pow2(H // Hk)
     blk_seq, blk_start, blk_len = _query_block_table(cu_seqlens, T, block_q)
     nb = blk_seq.shape[0]
     compute_dtype = jnp.bfloat16 if v_pages.dtype == jnp.bfloat16 else _f32
@@ -271,17 +259,17 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, cu_seqlens, positio
     if num_splits == 1:
         return result.reshape(T, H, d)
     parts, lse = result
-    _, real = _token_sequences(cu_seqlens, T)
+    _, _, real = token_sequences(cu_seqlens, T)
     return _combine_splits(parts.reshape(num_splits, T, H, d), lse.reshape(num_splits, T, H), real, q.dtype)
 
 
 def default_block_q(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, max_rows: int = 128) -> int:
     """Tokens per query block: about the mean tokens per sequence (T / S, a power of two), with at least 16 and at
     most `max_rows` matmul rows (BQ * Rp). Decode (T = S) gets the fewest tokens that fill 16 rows."""
-    r_pad = _next_pow2(heads // kv_heads)
+    r_pad = next_pow2(heads // kv_heads)
     lo = max(1, 16 // r_pad)
     hi = max(lo, max_rows // r_pad)
-    return min(max(_next_pow2(_cdiv(num_tokens, max(num_seqs, 1))), lo), hi)
+    return min(max(next_pow2(_cdiv(num_tokens, max(num_seqs, 1))), lo), hi)
 
 
 def default_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, max_keys: int, block_q: int,
@@ -311,7 +299,7 @@ def paged_attention_pallas(q, k_pages, v_pages, *, page_table, cu_seqlens, posit
     if num_splits is None:
         num_splits = default_num_splits(T, S, Hk, max_pages * page_size, block_q, block_k)
     if num_warps is None:
-        num_warps = 8 if block_q * _next_pow2(H // Hk) >= 128 else 4
+        num_warps = 8 if block_q * next_pow2(H // Hk) >= 128 else 4
     return _paged_attention_pallas(q, k_pages, v_pages, page_table, cu_seqlens, positions, scale=float(scale),
                                    block_q=int(block_q), block_k=int(block_k), num_splits=int(num_splits),
                                    num_warps=int(num_warps), num_stages=int(num_stages), interpret=interpret)
@@ -322,7 +310,7 @@ def pallas_problem(heads: int, kv_heads: int, head_dim: int, num_tokens: int = 1
     """Why the compiled kernel cannot take these shapes: tiles [BQ * Rp, d] x [BK, d] must be powers of two >= 16."""
     if block_q is None:
         block_q = default_block_q(num_tokens, num_seqs, heads, kv_heads)
-    rows = block_q * _next_pow2(heads // max(kv_heads, 1))
+    rows = block_q * next_pow2(heads // max(kv_heads, 1))
     return (pow2_tile_problem("head_dim", head_dim) or pow2_tile_problem("block_k", block_k)
             or pow2_tile_problem("query rows per block (block_q * padded heads per kv head)", rows))
 

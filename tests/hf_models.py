@@ -1,6 +1,5 @@
 """Tiny random transformers checkpoints for parity tests (torch CPU, float32)."""
 
-import numpy as np
 import torch
 
 # Shapes chosen to hit the awkward cases: several Mamba groups, a Mamba head dim that is not a power of two, a
@@ -48,12 +47,6 @@ def save(model, directory, **kwargs):
     return directory
 
 
-def relative_error(ours, theirs) -> float:
-    """max |ours - theirs| / max |theirs|, in float64: the parity tests' measure of logits agreement."""
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
-
-
 def logits_of(model, input_ids) -> "torch.Tensor":
     with torch.no_grad():
         return model(torch.as_tensor(input_ids)).logits.float()
@@ -80,6 +73,13 @@ DSA_VARIANTS = {
                               norm_topk_prob=False, routed_scaling_factor=1.5),
     # GLM-5 with a shared-indexer layer (layer 2 reuses layer 1's top-k).
     "glm_moe_dsa": dict(indexer_types=["full", "full", "shared"], n_group=2, topk_group=1, num_experts_per_tok=2),
+}
+
+# `config.json` dicts of one tiny model per family (MoE Nemotron-H, DeepSeek-V3.2), for tests that build our models
+# from a config alone, with no transformers model or checkpoint.
+TINY_CONFIGS = {
+    "nemotron_h": {"model_type": "nemotron_h", **NEMOTRON_H_BASE, **NEMOTRON_H_VARIANTS["moe"]},
+    "deepseek_v32": {"model_type": "deepseek_v32", **DSA_BASE},
 }
 
 

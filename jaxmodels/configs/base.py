@@ -45,6 +45,16 @@ def pop_alias(raw: dict, canonical: str, *legacy: str, default=None):
     return default
 
 
+def eos_token_ids(raw: dict) -> tuple[int, ...]:
+    """`eos_token_id` as a tuple: HF writes one id, a list of ids, or nothing (`None` or absent -> `()`)."""
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    if isinstance(eos, (list, tuple)):
+        return tuple(eos)
+    return (int(eos),)
+
+
 def require_positive(cfg, *fields: str) -> None:
     for name in fields:
         value = getattr(cfg, name)

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from jaxmodels.configs.base import ConfigError, pop_alias, require_divisible, require_positive
+from jaxmodels.configs.base import ConfigError, eos_token_ids, pop_alias, require_divisible, require_positive
 
 # Legacy pattern letters -> canonical `layers_block_type` names (transformers' own mapping).
 PATTERN_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -73,8 +73,7 @@ class NemotronHConfig:
     def from_hf(cls, raw: dict) -> "NemotronHConfig":
         layer_types = _layer_types(raw)
         num_heads = raw.get("num_attention_heads", 32)
-        eos = raw.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        eos = eos_token_ids(raw)
         values = dict(
             vocab_size=raw.get("vocab_size"),
             hidden_size=raw.get("hidden_size"),

@@ -62,7 +62,8 @@ import jaxmodels
 from jaxmodels import SamplingParams
 from jaxmodels.layers.indexer import LightningIndexer
 from jaxmodels.layers.moe import MoE
-from tests.hf_models import make_dsa, make_nemotron_h, relative_error
+from tests.hf_models import make_dsa, make_nemotron_h
+from tests.numerics import max_relative_error, rms_relative_error
 
 U = 2.0**-8
 E_ABS = 2.0**-4
@@ -290,12 +291,6 @@ def first_differing_choices(our_records, hf_records, seq_len, *, topk, noise):
     return None
 
 
-def rms_relative(a, b):
-    """||a - b|| / ||b|| over all elements, in float64."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 # ---- fixtures -----------------------------------------------------------------------------------------------------
 
 
@@ -335,7 +330,8 @@ def pinned(checkpoint):
         reference, choices = hf_logits(checkpoint["reference"], input_ids)
         theirs, _ = hf_logits(checkpoint["theirs"], input_ids, pins=[chosen for _, chosen in choices])
         ours, _ = checkpoint["ours"](input_ids, pins=pins_for_ours(choices, LOGITS_SHAPE[1]))
-        checkpoint["pinned"] = dict(reference=reference, theirs=theirs, ours=ours, noise=rms_relative(ours, theirs))
+        noise = rms_relative_error(ours, theirs)
+        checkpoint["pinned"] = dict(reference=reference, theirs=theirs, ours=ours, noise=noise)
     return checkpoint["pinned"]
 
 
@@ -351,13 +347,13 @@ CHOICE_VARIANTS = ["moe", "deepseek_v32", "glm_moe_dsa"]
 @pytest.mark.parametrize("checkpoint", ALL_VARIANTS, indirect=True)
 def test_logits_close_to_transformers_bf16(checkpoint, pinned):
     assert pinned["ours"].shape == pinned["theirs"].shape
-    assert relative_error(pinned["ours"], pinned["theirs"]) < E_ABS
+    assert max_relative_error(pinned["ours"], pinned["theirs"]) < E_ABS
 
 
 @pytest.mark.parametrize("checkpoint", ALL_VARIANTS, indirect=True)
 def test_logits_no_worse_than_transformers_bf16(checkpoint, pinned):
-    theirs_error = relative_error(pinned["theirs"], pinned["reference"])
-    assert relative_error(pinned["ours"], pinned["reference"]) <= RATIO * max(theirs_error, U)
+    theirs_error = max_relative_error(pinned["theirs"], pinned["reference"])
+    assert max_relative_error(pinned["ours"], pinned["reference"]) <= RATIO * max(theirs_error, U)
 
 
 def assert_near_ties(first_difference):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from tests.numerics import rms_relative_error
 
 IMPLS = ["xla", "pallas"]
 
@@ -33,11 +34,6 @@ def naive_conv(x, w, b, cu, init, activation):
     return y, fin
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
 # (T, C, K, cu): 1-token sequences (shorter than K-1, so part of the initial state stays), an empty sequence,
 # channel count not a power of two, trailing bucket padding.
 CASES = [
@@ -61,8 +57,10 @@ def test_conv_matches_naive(impl, activation, case):
                            initial_states=None if init is None else jnp.asarray(init), activation=activation,
                            impl=impl, interpret=(impl == "pallas"))
     y_ref, fin_ref = naive_conv(x, w, b, cu, init, activation)
-    assert y.shape == (T, Cd) and fin.shape == (len(cu) - 1, Cd, K - 1)
-    assert rel(y, y_ref) < 1e-5 and rel(fin, fin_ref) < 1e-6
+    assert y.shape == (T, Cd)
+    assert fin.shape == (len(cu) - 1, Cd, K - 1)
+    assert rms_relative_error(y, y_ref) < 1e-5
+    assert rms_relative_error(fin, fin_ref) < 1e-6
     assert np.all(np.asarray(y)[cu[-1]:] == 0)
 
 
@@ -77,7 +75,8 @@ def test_conv_kernel_blocks_across_a_sequence():
     y, fin = causal_conv1d_pallas(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), cu_seqlens=jnp.asarray(cu),
                                   initial_states=jnp.asarray(init), interpret=True, block_t=16, block_c=16)
     y_ref, fin_ref = naive_conv(x, w, b, cu, init, "silu")
-    assert rel(y, y_ref) < 1e-5 and np.array_equal(np.asarray(fin), fin_ref.astype(np.float32))
+    assert rms_relative_error(y, y_ref) < 1e-5
+    assert np.array_equal(np.asarray(fin), fin_ref.astype(np.float32))
     assert np.all(np.asarray(y)[40:] == 0)
 
 
@@ -94,8 +93,10 @@ def test_conv_bf16(impl):
     f = lambda a: np.asarray(a.astype(jnp.float32))
     y_ref, fin_ref = naive_conv(f(x), f(w), f(b), cu, f(init), "silu")
     # float32 sums of bf16 values, then one bf16 rounding of y (2^-8 relative); final states are copies: exact.
-    assert y.dtype == jnp.bfloat16 and rel(f(y), y_ref) < 1e-2
-    assert fin.dtype == jnp.bfloat16 and np.array_equal(f(fin), fin_ref)
+    assert y.dtype == jnp.bfloat16
+    assert rms_relative_error(f(y), y_ref) < 1e-2
+    assert fin.dtype == jnp.bfloat16
+    assert np.array_equal(f(fin), fin_ref)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -116,7 +117,7 @@ def test_update_matches_naive_and_leaves_other_slots(impl, activation):
         if s == 0:
             continue
         y_ref, fin_ref = naive_conv(x[r:r + 1], w, b, [0, 1], state[s:s + 1], activation)
-        assert rel(np.asarray(y)[r], y_ref[0]) < 1e-5
+        assert rms_relative_error(np.asarray(y)[r], y_ref[0]) < 1e-5
         assert np.array_equal(new[s], fin_ref[0].astype(np.float32))
     idle = [s for s in range(1, slots) if s not in ids]
     assert np.array_equal(new[idle], state[idle])

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
+from tests.numerics import rms_relative_error
 
 IMPLS = ["xla", "pallas"]
 
@@ -51,11 +52,6 @@ def run(inp, cu, chunk_size, impl, **kw):
                           initial_states=inp["init"], impl=impl, interpret=(impl == "pallas"), **kw)
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 # (T, H, P, G, N, chunk, cu_seqlens): several groups, non-power-of-two P, 1-token sequences, an empty sequence,
 # lengths that are not multiples of the chunk, trailing bucket padding (T > cu[-1]).
 CASES = [
@@ -75,10 +71,12 @@ def test_matches_naive_recurrence(impl, case):
     y, fin = run(inp, cu, L, impl)
     y_ref, fin_ref = naive_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], cu,
                                 inp["init"])
-    assert y.dtype == jnp.float32 and fin.dtype == jnp.float32
-    assert y.shape == (T, H, P) and fin.shape == (len(cu) - 1, H, P, N)
-    assert rel(y, y_ref) < 1e-5
-    assert rel(fin, fin_ref) < 1e-5
+    assert y.dtype == jnp.float32
+    assert fin.dtype == jnp.float32
+    assert y.shape == (T, H, P)
+    assert fin.shape == (len(cu) - 1, H, P, N)
+    assert rms_relative_error(y, y_ref) < 1e-5
+    assert rms_relative_error(fin, fin_ref) < 1e-5
     # Tokens past cu[-1] are bucket padding: zero output.
     assert np.all(np.asarray(y)[cu[-1]:] == 0)
 
@@ -89,7 +87,8 @@ def test_pallas_matches_xla(case):
     inp = make_inputs(np.random.default_rng(100 + case), T, H, P, G, N, len(cu) - 1)
     y_k, f_k = run(inp, cu, L, "pallas")
     y_x, f_x = run(inp, cu, L, "xla")
-    assert rel(y_k, y_x) < 1e-5 and rel(f_k, f_x) < 1e-5
+    assert rms_relative_error(y_k, y_x) < 1e-5
+    assert rms_relative_error(f_k, f_x) < 1e-5
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -102,8 +101,10 @@ def test_bf16_inputs(impl):
     y_ref, fin_ref = naive_scan(inp["x"].astype(jnp.float32), inp["dt"].astype(jnp.float32), inp["A"],
                                 inp["B"].astype(jnp.float32), inp["C"].astype(jnp.float32), inp["D"],
                                 inp["dt_bias"], cu, inp["init"])
-    assert y.dtype == jnp.bfloat16 and fin.dtype == jnp.float32
-    assert rel(y, y_ref) < 1e-2 and rel(fin, fin_ref) < 1e-2
+    assert y.dtype == jnp.bfloat16
+    assert fin.dtype == jnp.float32
+    assert rms_relative_error(y, y_ref) < 1e-2
+    assert rms_relative_error(fin, fin_ref) < 1e-2
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -113,12 +114,14 @@ def test_dt_limit_and_no_softplus(impl):
     y, fin = run(inp, cu, L, impl, dt_limit=(0.3, 0.9))
     y_ref, fin_ref = naive_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], cu,
                                 inp["init"], dt_limit=(0.3, 0.9))
-    assert rel(y, y_ref) < 1e-5 and rel(fin, fin_ref) < 1e-5
+    assert rms_relative_error(y, y_ref) < 1e-5
+    assert rms_relative_error(fin, fin_ref) < 1e-5
     # dt_softplus=False takes dt + dt_bias as the step itself; feed softplus'd values and expect the same answer.
     sp = jax.nn.softplus(inp["dt"] + inp["dt_bias"]) - inp["dt_bias"]
     y2, fin2 = run(dict(inp, dt=sp), cu, L, impl, dt_softplus=False)
     y3, fin3 = run(inp, cu, L, impl)
-    assert rel(y2, y3) < 1e-5 and rel(fin2, fin3) < 1e-5
+    assert rms_relative_error(y2, y3) < 1e-5
+    assert rms_relative_error(fin2, fin3) < 1e-5
 
 
 def test_matches_transformers():
@@ -136,8 +139,8 @@ def test_matches_transformers():
         initial_states=t(inp["init"], Bsz, H, P, N), dt_softplus=True, dt_limit=(0.001, float("inf")),
         return_final_states=True)
     y, fin = run(inp, [0, T, 2 * T], L, "xla", dt_limit=(0.001, float("inf")))
-    assert rel(y, y_hf.reshape(Bsz * T, H, P).numpy()) < 1e-5
-    assert rel(fin, fin_hf.numpy()) < 1e-5
+    assert rms_relative_error(y, y_hf.reshape(Bsz * T, H, P).numpy()) < 1e-5
+    assert rms_relative_error(fin, fin_hf.numpy()) < 1e-5
 
 
 # Pooled variant. One packing of 7 sequence rows on a pool of 9 slots: row 0 continues from slot 3 with 11 tokens (not
@@ -197,9 +200,9 @@ def test_pooled_matches_unpooled(impl, pool_dtype):
     # bfloat16 pool rounds each final state once, at most 2^-9 relative per element.
     state_tol = 1e-5 if pool_dtype == jnp.float32 else 2.0 ** -8
     assert new_pool.dtype == pool_dtype
-    assert rel(y, y_ref) < 1e-5
+    assert rms_relative_error(y, y_ref) < 1e-5
     assert np.all(np.asarray(y)[POOL_CU[-1]:] == 0)
-    assert rel(np.asarray(new_pool.astype(jnp.float32))[written], fin_ref) < state_tol
+    assert rms_relative_error(np.asarray(new_pool.astype(jnp.float32))[written], fin_ref) < state_tol
     assert np.array_equal(bits(new_pool)[idle], bits(pool)[idle])
 
 
@@ -231,9 +234,9 @@ def test_compiled_pooled_kernel_on_gpu():
     y_x, pool_x = run_pooled(inp, pool, cu, L, "xla")
     written = np.asarray(POOL_SLOTS)[np.diff(cu) > 0]
     idle = np.setdiff1d(np.arange(NUM_SLOTS), written)
-    assert rel(y_k.astype(jnp.float32), y_x.astype(jnp.float32)) < 1e-2
+    assert rms_relative_error(y_k.astype(jnp.float32), y_x.astype(jnp.float32)) < 1e-2
     assert np.all(np.asarray(y_k.astype(jnp.float32))[cu[-1]:] == 0)
-    assert rel(np.asarray(pool_k)[written], np.asarray(pool_x)[written]) < 1e-2
+    assert rms_relative_error(np.asarray(pool_k)[written], np.asarray(pool_x)[written]) < 1e-2
     assert np.array_equal(bits(pool_k)[idle], bits(pool)[idle])
 
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.mamba_state_update import ssd_state_update
+from tests.numerics import rms_relative_error
 
 IMPLS = ["xla", "pallas"]
 
@@ -39,11 +40,6 @@ def call(inp, slot_ids, impl):
                             interpret=(impl == "pallas"))
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 # (slots, H, P, G, N, slot_ids): non-power-of-two P and N, several groups, padded rows on slot 0 (several at once),
 # slots left idle.
 CASES = [
@@ -65,12 +61,13 @@ def test_matches_naive_and_leaves_other_slots(impl, case):
     state = np.asarray(state)
     real = [b for b, s in enumerate(ids) if s != 0]
     if real:
-        assert rel(np.asarray(y)[real], y_ref[real]) < 1e-5
-        assert rel(state[[ids[b] for b in real]], state_ref[[ids[b] for b in real]]) < 1e-5
+        assert rms_relative_error(np.asarray(y)[real], y_ref[real]) < 1e-5
+        assert rms_relative_error(state[[ids[b] for b in real]], state_ref[[ids[b] for b in real]]) < 1e-5
     # Idle slots (named by no request) are bit-identical; slot 0 may hold garbage.
     idle = [s for s in range(1, slots) if s not in ids]
     assert np.array_equal(state[idle], before[idle])
-    assert state.dtype == np.float32 and y.dtype == inp["x"].dtype
+    assert state.dtype == np.float32
+    assert y.dtype == inp["x"].dtype
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -96,8 +93,8 @@ def test_bf16_inputs(impl):
     y_ref, state_ref = naive_step(inp["state"], f32(inp["x"]), f32(inp["dt"]), inp["A"], f32(inp["B"]),
                                   f32(inp["C"]), inp["D"], inp["dt_bias"], ids)
     assert y.dtype == jnp.bfloat16
-    assert rel(np.asarray(y.astype(jnp.float32))[[0, 2, 3]], y_ref[[0, 2, 3]]) < 1e-2
-    assert rel(np.asarray(state)[[3, 7, 1]], state_ref[[3, 7, 1]]) < 1e-5
+    assert rms_relative_error(np.asarray(y.astype(jnp.float32))[[0, 2, 3]], y_ref[[0, 2, 3]]) < 1e-2
+    assert rms_relative_error(np.asarray(state)[[3, 7, 1]], state_ref[[3, 7, 1]]) < 1e-5
 
 
 def test_pallas_matches_xla():
@@ -105,4 +102,5 @@ def test_pallas_matches_xla():
     inp = make(np.random.default_rng(21), slots, len(ids), H, P, G, N)
     y_k, s_k = call(inp, ids, "pallas")
     y_x, s_x = call(inp, ids, "xla")
-    assert rel(y_k, y_x) < 1e-5 and rel(np.asarray(s_k)[1:], np.asarray(s_x)[1:]) < 1e-5
+    assert rms_relative_error(y_k, y_x) < 1e-5
+    assert rms_relative_error(np.asarray(s_k)[1:], np.asarray(s_x)[1:]) < 1e-5

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.packing import aligned_blocks, num_blocks_bound, token_sequence_ids
+from pallas_kernels.packing import aligned_blocks, num_blocks_bound, token_sequence_ids, token_sequences
 
 CU = [0, 1, 9, 20, 20, 33]  # sequences of 1, 8, 11, 0 and 13 tokens; tokens 33.. of 40 are padding
 
@@ -18,13 +18,23 @@ def test_padding_tokens_belong_to_no_sequence():
     assert set(seq[33:]) == {len(CU) - 1}
 
 
+def test_token_sequences_clamp_padding_to_the_last_sequence_and_flag_it():
+    seq, offset, real = (np.asarray(a) for a in token_sequences(jnp.asarray(CU, jnp.int32), 40))
+    ids = np.asarray(token_sequence_ids(jnp.asarray(CU, jnp.int32), 40))
+    np.testing.assert_array_equal(seq, np.minimum(ids, len(CU) - 2))
+    np.testing.assert_array_equal(real, np.arange(40) < CU[-1])
+    # Within each sequence the offsets count 0, 1, ...; padding tokens continue past the last sequence (from 20).
+    np.testing.assert_array_equal(offset, [0] + list(range(8)) + list(range(11)) + list(range(20)))
+
+
 def test_aligned_blocks_never_mix_sequences_and_cover_every_token_once():
     blocks = {k: np.asarray(v) for k, v in aligned_blocks(jnp.asarray(CU, jnp.int32), 40, 8).items()}
     assert len(blocks["seq"]) == num_blocks_bound(40, 5, 8)
     covered = np.zeros(40, int)
     for s, start, length in zip(blocks["seq"], blocks["start"], blocks["length"]):
         if length:
-            assert CU[s] <= start and start + length <= CU[s + 1]
+            assert CU[s] <= start
+            assert start + length <= CU[s + 1]
             covered[start:start + length] += 1
     np.testing.assert_array_equal(covered, [1] * 33 + [0] * 7)
 
