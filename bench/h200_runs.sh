@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|nano9b_bf16|serve_load|nano30b|deepseek
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|nano9b_bf16|serve_load|nano30b|deepseek|mla_prefill ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,10 +12,11 @@ for what in "$@"; do
         --mamba-ssm-cache-dtype bfloat16 --json "$OUT/nano9b_bf16.json" 2>&1 | tail -40 ;;
     serve_load) python3 bench/serve_load.py --config bench/configs/nemotron_h_nano9b.json --requests 256 \
         --prompt-len 128 --max-tokens 128 --no-progress 2>&1 | tail -12 ;;
-    nano30b) bench --config bench/configs/nemotron_h_nano30b_a3b.json --phases decode,serve --batches 1,32,256 \
-        --json "$OUT/nano30b.json" --profile /tmp/prof30 2>&1 | tail -80 ;;
+    nano30b) bench --config bench/configs/nemotron_h_nano30b_a3b.json --phases decode,serve --batches 1,256 \
+        --decode-steps 32 --serve 256 --serve-in 1024 --serve-out 1024 --arrival-rate 0 \
+        --json "$OUT/nano30b.json" 2>&1 | tail -30 ;;
     deepseek) bench --config bench/configs/deepseek_v32_4layer.json --phases prefill --prefill-chunk 4096 \
-        --json "$OUT/deepseek.json" 2>&1 | tail -30
-        python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -40 ;;
+        --json "$OUT/deepseek.json" 2>&1 | tail -12 ;;
+    mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
   esac
 done

@@ -11,6 +11,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from bridge.torch_interop import torch_to_numpy
+
 BASE_MODEL_PREFIXES = ("backbone.", "model.")
 
 
@@ -82,8 +84,6 @@ def _torch_bin_reader(files: list[str], source: str) -> CheckpointReader:
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise CheckpointError(f"{source} holds torch .bin weights: install torch to read them "
                               "(pip install 'jaxmodels[torch]')") from err
-    from bridge.torch_interop import torch_to_numpy
-
     tensors = {}
     for path in files:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 
+import jax.numpy as jnp
+
 MARKER = "jaxmodels_converted.json"
 FORMAT_VERSION = 1
 
@@ -16,11 +18,10 @@ def is_converted_dir(path) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), MARKER))
 
 
-def save_converted(model, directory, raw_config: dict) -> None:
-    """Write `model`'s params and config to `directory` (replacing what is there)."""
+def save_converted(params: dict, directory, raw_config: dict, *, dtype) -> None:
+    """Write `params` ({dotted path: array}, converted to `dtype`) and the HF config they were built from to
+    `directory` (replacing what is there)."""
     import orbax.checkpoint as ocp
-
-    from jaxmodels.models.registry import model_params
 
     directory = os.path.abspath(os.fspath(directory))
     os.makedirs(directory, exist_ok=True)
@@ -28,12 +29,12 @@ def save_converted(model, directory, raw_config: dict) -> None:
     if os.path.exists(params_dir):
         shutil.rmtree(params_dir)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(params_dir, model_params(model))
+        checkpointer.save(params_dir, params)
         checkpointer.wait_until_finished()
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(raw_config, f, indent=1)
     with open(os.path.join(directory, MARKER), "w") as f:
-        json.dump({"format_version": FORMAT_VERSION, "dtype": str(model.dtype)}, f)
+        json.dump({"format_version": FORMAT_VERSION, "dtype": jnp.dtype(dtype).name}, f)
 
 
 def converted_dtype(directory) -> str:

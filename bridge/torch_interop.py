@@ -1,4 +1,4 @@
-"""torch <-> jax through DLPack, and building our model straight from an in-memory transformers model.
+"""torch <-> jax through DLPack.
 
 DLPack shares the buffer when both frameworks sit on the same device (CPU tensors into CPU jax, CUDA tensors into
 GPU jax): no copy is made. Across devices jax copies.
@@ -34,18 +34,3 @@ def _torch():
 
     return torch
 
-
-def from_torch(hf_model, dtype=None, *, progress: bool = True):
-    """Our model with the weights of a transformers `*ForCausalLM` already in memory (no disk round trip).
-
-    `dtype` defaults to the torch model's dtype.
-    """
-    from bridge.checkpoint import dict_reader
-    from jaxmodels.loading import build_from_reader
-    from jaxmodels.configs import load_config
-
-    config = load_config(hf_model.config.to_dict())
-    if dtype is None:
-        dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
-    reader = dict_reader(dict(hf_model.state_dict()), f"in-memory {type(hf_model).__name__}", to_numpy=torch_to_numpy)
-    return build_from_reader(config, reader, dtype, progress=progress)

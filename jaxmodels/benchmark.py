@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from jaxmodels.benchmark_floors import decode_floor_s, model_costs, prefill_floor_s
+from jaxmodels.step_context import StepKind
 
 
 def cut_layers(raw: dict, layers: int | None) -> dict:
@@ -52,8 +53,8 @@ def random_model(raw: dict, dtype: str, calibration_tokens: int = 512):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxmodels.configs import load_config
-    from jaxmodels.models.registry import model_class
+    from jaxmodels.families import load_config
+    from jaxmodels.families import model_class
 
     config = load_config(raw)
     model = model_class(config)(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
@@ -143,7 +144,7 @@ def decode_phase(llm, costs, batch: int, prompt_len: int, steps: int, vocab: int
     params = SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     log = run_engine(llm.engine, [(0.0, p, params) for p in prompts])
     steady = [i for i in range(1, len(log.launch))
-              if log.launch[i] == ("decode", batch) and log.launch[i - 1] == ("decode", batch)]
+              if log.launch[i] == (StepKind.DECODE, batch) and log.launch[i - 1] == (StepKind.DECODE, batch)]
     step_s = float(np.median([log.wall[i] for i in steady]))
     host_s = float(np.median([log.host[i] for i in steady]))
     floor = decode_floor_s(costs, batch, prompt_len + steps / 2)
@@ -234,7 +235,7 @@ def profile_decode(llm, batch: int, prompt_len: int, steps: int, vocab: int, rng
     for prompt in rng.integers(3, vocab, size=(batch, prompt_len)).tolist():
         engine.add_request(prompt, params)
     launches = []
-    while launches[-2:] != [("decode", batch)] * 2:
+    while launches[-2:] != [(StepKind.DECODE, batch)] * 2:
         engine.step()
         launches.append(engine.last_launch)
 
@@ -335,7 +336,7 @@ def main(argv=None, prog: str | None = None) -> None:
     import jax
 
     import jaxmodels
-    from jaxmodels.models.registry import model_params
+    from jaxmodels.nnx_params import model_params
 
     model = random_model(raw, args.dtype)
     costs = model_costs(model.config, model_params(model), args.dtype, args.mamba_ssm_cache_dtype)

@@ -43,11 +43,13 @@ DEMO_CONFIG = {
 def write_demo_checkpoint(directory, seed: int = 0) -> str:
     """Write a random Nemotron-H checkpoint (HF layout) of DEMO_CONFIG's shape into `directory`."""
     from bridge.export import save_hf_checkpoint
-    from jaxmodels.configs import load_config
+    from jaxmodels.families import load_config
     from jaxmodels.models.nemotron_h import NemotronHForCausalLM
+    from jaxmodels.nnx_params import model_params
 
     model = NemotronHForCausalLM(load_config(DEMO_CONFIG), rngs=nnx.Rngs(seed))
-    return save_hf_checkpoint(model, DEMO_CONFIG, directory)
+    return save_hf_checkpoint(model_params(model), DEMO_CONFIG, directory,
+                              base_prefix=NemotronHForCausalLM.HF_BASE_PREFIX)
 
 
 def run_demo(num_requests: int = 8, max_new_tokens: int = 32, seed: int = 0) -> None:

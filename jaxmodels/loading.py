@@ -1,13 +1,32 @@
-"""`load_model`: an HF checkpoint directory (or one we converted) -> an nnx model with its weights."""
+"""`load_model`: an HF checkpoint directory (or one we converted) -> an nnx model with its weights; `from_torch`: the
+same from a transformers model already in memory."""
 
 import jax.numpy as jnp
 
-from bridge.checkpoint import open_checkpoint
+from bridge.checkpoint import dict_reader, open_checkpoint
 from bridge.converted import converted_dtype, is_converted_dir, restore_converted, save_converted
 from bridge.loader import load_params
-from jaxmodels.configs import load_config, read_config_dict
+from bridge.torch_interop import torch_to_numpy
+from jaxmodels.configs import read_config_dict
+from jaxmodels.families import abstract_model, load_config
 from jaxmodels.hub import resolve_model_path
-from jaxmodels.models.registry import abstract_model, checkpoint_ignore_patterns, merge_params
+from jaxmodels.nnx_params import merge_params, model_params
+
+
+def checkpoint_ignore_patterns(config) -> tuple[str, ...]:
+    """Checkpoint tensors that exist but that the model does not use (regexes over normalized names)."""
+    patterns = [r"rotary_emb\.inv_freq$"]
+    if getattr(config, "tie_word_embeddings", False):
+        patterns.append(r"^lm_head\.weight$")
+    # Multi-token-prediction heads (`mtp.*` in Nemotron-H) serve speculative decoding, which transformers does not
+    # load either; they are skipped until the engine grows speculative decoding.
+    patterns.append(r"^mtp\.")
+    # DeepSeek / GLM checkpoints append theirs as extra decoder layers after the last real one.
+    num_mtp = getattr(config, "num_nextn_predict_layers", 0)
+    if num_mtp and config.model_type in ("deepseek_v32", "glm_moe_dsa"):
+        first = config.num_hidden_layers
+        patterns.append(rf"^layers\.({'|'.join(str(first + i) for i in range(num_mtp))})\.")
+    return tuple(patterns)
 
 
 def build_from_reader(config, reader, dtype, *, progress: bool = True, matmul_precision: str | None = None):
@@ -40,8 +59,20 @@ def load_model(path, dtype="float32", *, converted_cache=None, progress: bool = 
     model = build_from_reader(config, open_checkpoint(path), dtype, progress=progress,
                               matmul_precision=matmul_precision)
     if converted_cache is not None:
-        save_converted(model, converted_cache, raw_config)
+        save_converted(model_params(model), converted_cache, raw_config, dtype=dtype)
     return model
+
+
+def from_torch(hf_model, dtype=None, *, progress: bool = True):
+    """Our model with the weights of a transformers `*ForCausalLM` already in memory (no disk round trip).
+
+    `dtype` defaults to the torch model's dtype.
+    """
+    config = load_config(hf_model.config.to_dict())
+    if dtype is None:
+        dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
+    reader = dict_reader(dict(hf_model.state_dict()), f"in-memory {type(hf_model).__name__}", to_numpy=torch_to_numpy)
+    return build_from_reader(config, reader, dtype, progress=progress)
 
 
 def _restore(directory, dtype, matmul_precision=None):

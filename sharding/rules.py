@@ -12,6 +12,7 @@ choices for speed and memory, never for correctness:
 A dimension that the chosen axes do not divide is left whole rather than padded.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -67,16 +68,30 @@ def spec_for(path: str, shape: tuple[int, ...], mesh) -> P:
     return P()
 
 
-# Serving caches by name (see the engine's step `cache_shapes`). KV pages [pages, page, kv_heads, head_dim] split
-# by heads like the projections that fill them; Mamba state, MLA latent rows and index keys are whole on every
-# device (Mamba runs unsplit; the latent is shared by all heads).
-CACHE_RULES = {"k": (None, None, "tp", None), "v": (None, None, "tp", None)}
+# Logical axes of the serving caches -> mesh axes. Each cache class declares its fields' logical axes beside its
+# definition (`AXES` of KVCache, MambaCache, MLACache): KV pages split by heads like the projections that fill them;
+# pages and Mamba state slots stay whole on every device of a group.
+CACHE_AXIS_RULES = {"kv_head": "tp", "page": None, "slot": None, None: None}
 
 
-def cache_partition_specs(cache_shapes: dict, mesh) -> dict:
-    """{cache name: [PartitionSpec per layer]} for the engine's {cache name: [ShapeDtypeStruct per layer]}."""
-    return {name: [_fit(CACHE_RULES[name], s.shape, mesh) if name in CACHE_RULES else P() for s in shapes]
-            for name, shapes in cache_shapes.items()}
+def _cache_mesh_axes(cache_type, field: str) -> tuple:
+    logical = cache_type.AXES[field]
+    unknown = [name for name in logical if name not in CACHE_AXIS_RULES]
+    if unknown:
+        raise ValueError(f"{cache_type.__name__}.{field} has logical axes {unknown} that no sharding rule maps "
+                         f"(known: {sorted(n for n in CACHE_AXIS_RULES if n)})")
+    return tuple(CACHE_AXIS_RULES[name] for name in logical)
+
+
+def cache_partition_specs(cache_shapes: list, mesh) -> list:
+    """The engine's per-layer caches of ShapeDtypeStructs (None for layers without one) -> the same structure with
+    a PartitionSpec in place of each array."""
+    def layer_specs(cache):
+        specs = {field.name: _fit(_cache_mesh_axes(type(cache), field.name), getattr(cache, field.name).shape, mesh)
+                 for field in dataclasses.fields(cache) if getattr(cache, field.name) is not None}
+        return dataclasses.replace(cache, **specs)
+
+    return [None if cache is None else layer_specs(cache) for cache in cache_shapes]
 
 
 def param_partition_specs(params: dict, mesh) -> dict:

@@ -2,26 +2,71 @@
 for, gathered from the scheduler's per-slot tables (no per-row Python beyond reading each request's slot and
 position). Padding rows point at slot 0, whose table rows are zeros: page 0, greedy sampling.
 
+Each batch is a pytree dataclass the jitted step takes as is. A step's batch comes with the sampler's
+`SamplingKnobs`, which go to the sampler executable, not to the forward.
+
 A decode batch carries no tokens: each row's input is the token its request sampled last, which the device keeps
 per slot (`last_tokens`), so a step can be sent before the previous one's tokens have reached the host.
 """
 
+import dataclasses
+
+import jax
 import numpy as np
 
-# What the sampler reads of a batch (the forward reads the rest, slot ids included).
-SAMPLING_KEYS = ("slot_ids", "temperature", "top_p", "top_k", "seed", "step")
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExtendBatch:
+    """Chunks of prompts packed back to back. T tokens (from cu_seqlens[-1] on: padding), S sequences (padded
+    sequences are empty, with slot 0 and an all-zero page row)."""
+
+    tokens: np.ndarray  # int32[T]
+    positions: np.ndarray  # int32[T]
+    cu_seqlens: np.ndarray  # int32[S+1]
+    slot_ids: np.ndarray  # int32[S]
+    prompt_lens: np.ndarray  # int32[S]
+    has_prefix: np.ndarray  # bool[S]: the chunk continues a request (not its first)
+    page_table: np.ndarray  # int32[S, pages_per_seq]
 
 
-def _sampling(tables, slot_ids: np.ndarray, ends: np.ndarray) -> dict:
-    """Per-row sampling knobs; `step` (the index of the output token being drawn, which seeds its randomness) is
-    the row's end position minus its prompt length."""
-    return dict(temperature=tables.temperature[slot_ids], top_p=tables.top_p[slot_ids],
-                top_k=tables.top_k[slot_ids], seed=tables.seed[slot_ids],
-                step=(ends - tables.prompt_len[slot_ids]).astype(np.int32))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """One token per row (B rows; padding rows: slot 0, position 0, an all-zero page row)."""
+
+    positions: np.ndarray  # int32[B]
+    slot_ids: np.ndarray  # int32[B]
+    page_table: np.ndarray  # int32[B, pages_per_seq]
 
 
-def extend_batch(chunks, num_tokens: int, num_seqs: int, tables) -> dict:
-    """chunks: [(request, start, length)] -> the extend step's batch, num_tokens / num_seqs rows."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingKnobs:
+    """Per row of the logits: the slot its token is stored at, and how to draw it. `step` is the index of the
+    output token being drawn, which seeds its randomness."""
+
+    slot_ids: np.ndarray  # int32[R]
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    seed: np.ndarray
+    step: np.ndarray  # int32[R]
+
+    @property
+    def greedy(self) -> bool:
+        return not np.any(self.temperature > 0)
+
+
+def _sampling(tables, slot_ids: np.ndarray, ends: np.ndarray) -> SamplingKnobs:
+    """The knobs of rows whose sampled token follows position ends - 1."""
+    return SamplingKnobs(slot_ids=slot_ids, temperature=tables.temperature[slot_ids], top_p=tables.top_p[slot_ids],
+                         top_k=tables.top_k[slot_ids], seed=tables.seed[slot_ids],
+                         step=(ends - tables.prompt_len[slot_ids]).astype(np.int32))
+
+
+def extend_batch(chunks, num_tokens: int, num_seqs: int, tables) -> tuple[ExtendBatch, SamplingKnobs]:
+    """chunks: the scheduler's `Chunk`s -> the extend step's batch (num_tokens / num_seqs rows) and knobs."""
     tokens = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     cu = np.zeros(num_seqs + 1, np.int32)
@@ -29,24 +74,26 @@ def extend_batch(chunks, num_tokens: int, num_seqs: int, tables) -> dict:
     has_prefix = np.zeros(num_seqs, bool)
     ends = np.zeros(num_seqs, np.int32)
     offset = 0
-    for i, (request, start, length) in enumerate(chunks):
-        tokens[offset: offset + length] = request.token_ids[start: start + length]
+    for i, chunk in enumerate(chunks):
+        start, length = chunk.start, chunk.length
+        tokens[offset: offset + length] = chunk.request.token_ids[start: start + length]
         positions[offset: offset + length] = np.arange(start, start + length)
         offset += length
         cu[i + 1] = offset
-        slot_ids[i], has_prefix[i], ends[i] = request.slot, start > 0, start + length
+        slot_ids[i], has_prefix[i], ends[i] = chunk.request.slot, start > 0, start + length
     cu[len(chunks) + 1:] = offset  # padded sequences are empty
-    return dict(tokens=tokens, positions=positions, cu_seqlens=cu, slot_ids=slot_ids,
-                prompt_lens=tables.prompt_len[slot_ids], has_prefix=has_prefix,
-                page_table=tables.page_table[slot_ids], **_sampling(tables, slot_ids, ends))
+    batch = ExtendBatch(tokens=tokens, positions=positions, cu_seqlens=cu, slot_ids=slot_ids,
+                        prompt_lens=tables.prompt_len[slot_ids], has_prefix=has_prefix,
+                        page_table=tables.page_table[slot_ids])
+    return batch, _sampling(tables, slot_ids, ends)
 
 
-def decode_batch(requests, rows: int, tables) -> dict:
+def decode_batch(requests, rows: int, tables) -> tuple[DecodeBatch, SamplingKnobs]:
     """requests: the decode step's requests, their num_computed already counting this step's token."""
     slot_ids = np.zeros(rows, np.int32)
     positions = np.zeros(rows, np.int32)
     n = len(requests)
     slot_ids[:n] = np.fromiter((r.slot for r in requests), np.int32, n)
     positions[:n] = np.fromiter((r.num_computed - 1 for r in requests), np.int32, n)
-    return dict(positions=positions, slot_ids=slot_ids, page_table=tables.page_table[slot_ids],
-                **_sampling(tables, slot_ids, positions + 1))
+    batch = DecodeBatch(positions=positions, slot_ids=slot_ids, page_table=tables.page_table[slot_ids])
+    return batch, _sampling(tables, slot_ids, positions + 1)

@@ -1,7 +1,7 @@
 """Cache pools and their host-side allocators.
 
-Device side, each family's step declares its caches (paged KV pages, Mamba state slots); here they are sized and
-allocated. Page 0 and slot 0 are the null page / slot: padded tokens and requests read and write only them, and
+Device side, each model declares its caches, one per layer (`model.cache_shapes`: paged KV / latent / index-key
+pages, Mamba state slots); here they are sized and allocated. Page 0 and slot 0 are the null page / slot: padded tokens and requests read and write only them, and
 the allocators never hand them to a real request.
 """
 
@@ -84,13 +84,17 @@ def free_device_memory(devices=None) -> int:
 
 
 def describe(shapes) -> str:
-    parts = []
-    for name, arrays in shapes.items():
-        arrays = list(arrays)
-        if arrays:
-            a = arrays[0]
-            parts.append(f"{name} {len(arrays)} x {tuple(a.shape)} {jnp.dtype(a.dtype).name}")
-    return "; ".join(parts)
+    """`shapes`: per layer, a cache dataclass of ShapeDtypeStructs (or None) -> "k 4 x (...) bfloat16; ..."."""
+    fields: dict[str, list] = {}
+    for layer in shapes:
+        if layer is None:
+            continue
+        for field in dataclasses.fields(layer):
+            value = getattr(layer, field.name)
+            if value is not None:
+                fields.setdefault(field.name, []).append(value)
+    return "; ".join(f"{name} {len(arrays)} x {tuple(arrays[0].shape)} {jnp.dtype(arrays[0].dtype).name}"
+                     for name, arrays in fields.items())
 
 
 class FreeList:

@@ -17,10 +17,11 @@ import numpy as np
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
 from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within
-from jaxmodels.engine.family import step_for
 from jaxmodels.engine.request import Request, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import Scheduler
+from jaxmodels.engine.step import ModelStep
+from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")
 
@@ -31,7 +32,7 @@ class InvalidRequest(ValueError):
 
 @dataclasses.dataclass
 class _InFlight:
-    kind: str  # "extend" or "decode"
+    kind: StepKind
     work: list  # the scheduler's chunks or requests
     tokens: object  # device array of the sampled tokens, not yet read
 
@@ -76,7 +77,7 @@ class Engine:
         if decode_sizes[-1] != max_batch_size:
             raise ValueError(f"the largest decode bucket must be max_batch_size={max_batch_size}: {decode_sizes}")
         max_prefill_tokens = prefill_sizes[-1]
-        step = step_for(model, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, matmul_precision=matmul_precision)
+        step = ModelStep(model, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, matmul_precision=matmul_precision)
         self.sizes = PoolSizes.from_limits(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                            page_size=page_size, num_pages=num_pages)
         if num_pages is None and memory_fraction is not None:
@@ -103,7 +104,7 @@ class Engine:
         self._live: dict[int, Request] = {}  # unfinished requests by id
         self._aborts: set[int] = set()
         self._inflight: _InFlight | None = None
-        self.last_launch: tuple[str, int] | None = None  # (kind, rows) of the step the last step() sent
+        self.last_launch: tuple[StepKind, int] | None = None  # (kind, rows) of the step the last step() sent
         self.times = StepTimes()
 
     def add_request(self, prompt, params: SamplingParams) -> Request:
@@ -146,7 +147,7 @@ class Engine:
         launched = None
         if work is not None:
             kind, items = work
-            launch = self.runner.launch_extend if kind == "extend" else self.runner.launch_decode
+            launch = self.runner.launch_extend if kind is StepKind.EXTEND else self.runner.launch_decode
             launched = _InFlight(kind, items, launch(items, self.scheduler.slots))
             self._count(kind, items)
         self.last_launch = (work[0], len(work[1])) if work is not None else None
@@ -175,14 +176,14 @@ class Engine:
         start = time.perf_counter()
         sampled = np.asarray(inflight.tokens)
         self.times.wait_s += time.perf_counter() - start
-        finish = self.scheduler.finish_extend if inflight.kind == "extend" else self.scheduler.finish_decode
+        finish = self.scheduler.finish_extend if inflight.kind is StepKind.EXTEND else self.scheduler.finish_decode
         got = finish(inflight.work, sampled[: len(inflight.work)].tolist())
         self.times.generated_tokens += len(got)
         return got
 
-    def _count(self, kind: str, items) -> None:
+    def _count(self, kind: StepKind, items) -> None:
         self.times.steps += 1
-        if kind == "extend":
+        if kind is StepKind.EXTEND:
             self.times.extend_steps += 1
         else:
             self.times.decode_steps += 1

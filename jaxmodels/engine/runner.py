@@ -16,21 +16,20 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxmodels.engine import sampler
-from jaxmodels.engine.batch import SAMPLING_KEYS, decode_batch, extend_batch
+from jaxmodels.engine.batch import decode_batch, extend_batch
 from jaxmodels.engine.buckets import bucket_for
 from jaxmodels.engine.cache import allocate_caches
 from jaxmodels.engine.scheduler import SlotTables
-from jaxmodels.precision import precision_scope
+from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")
 
 SAMPLERS = ("greedy", "sample")
 
 
-def _forward_fn(step, kind: str, param_names: list[str]):
+def _forward_fn(step, kind: StepKind, param_names: list[str]):
     """The forward executable of `kind`: logits of each sequence's (extend) or row's (decode) last token. A decode
     row's input is the token its slot sampled last, so the host never sends it (and may send this step before the
     previous step's tokens have come back).
@@ -41,10 +40,9 @@ def _forward_fn(step, kind: str, param_names: list[str]):
 
     def run(param_values, caches, last_tokens, batch):
         params = dict(zip(param_names, param_values))
-        with precision_scope(step.matmul_precision):
-            if kind == "extend":
-                return step.extend(params, caches, batch)
-            return step.decode(params, caches, {**batch, "tokens": last_tokens[batch["slot_ids"]]})
+        if kind is StepKind.EXTEND:
+            return step.extend(params, caches, batch)
+        return step.decode(params, caches, batch, last_tokens[batch.slot_ids])
 
     return run
 
@@ -54,9 +52,8 @@ def _sampler_fn(mode: str):
         if mode == "greedy":
             tokens = sampler.greedy(logits)
         else:
-            tokens = sampler.sample(logits, knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"],
-                                    knobs["step"])
-        return tokens, last_tokens.at[knobs["slot_ids"]].set(tokens)
+            tokens = sampler.sample(logits, knobs.temperature, knobs.top_k, knobs.top_p, knobs.seed, knobs.step)
+        return tokens, last_tokens.at[knobs.slot_ids].set(tokens)
 
     return run
 
@@ -94,19 +91,21 @@ class Runner:
         if mesh is not None:
             self.last_tokens = jax.device_put(self.last_tokens, replicated)
         self._forward = {kind: jax.jit(_forward_fn(step, kind, self.param_names), **forward_options)
-                         for kind in ("extend", "decode")}
+                         for kind in StepKind}
         self._samplers = {mode: jax.jit(_sampler_fn(mode), **sampler_options) for mode in SAMPLERS}
-        # Compiled executables: ("extend" | "decode", bucket) -> forward; (rows, sampler mode) -> sampler.
+        # Compiled executables: (StepKind, bucket) -> forward; (rows, sampler mode) -> sampler.
         self._compiled: dict[tuple, object] = {}
         self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
     def _example(self, kind, n):
-        if kind == "extend":
+        """An all-padding (batch, sampling knobs) of bucket n."""
+        if kind == StepKind.EXTEND:
             return extend_batch([], n, self.max_seqs, self._example_tables)
         return decode_batch([], n, self._example_tables)
 
     def _jobs(self) -> list[tuple]:
-        forwards = [("extend", n) for n in self.prefill_sizes] + [("decode", n) for n in self.decode_sizes]
+        forwards = ([(StepKind.EXTEND, n) for n in self.prefill_sizes]
+                    + [(StepKind.DECODE, n) for n in self.decode_sizes])
         rows = sorted({self.max_seqs, *self.decode_sizes})
         return forwards + [(n, mode) for n in rows for mode in SAMPLERS]
 
@@ -132,11 +131,11 @@ class Runner:
 
     def _lower(self, job):
         first, second = job
-        if first in ("extend", "decode"):
-            forward, _ = _split(self._example(first, second))
-            return self._forward[first].lower(self.params, self.caches, self.last_tokens, forward)
+        if first in (StepKind.EXTEND, StepKind.DECODE):
+            batch, _ = self._example(first, second)
+            return self._forward[first].lower(self.params, self.caches, self.last_tokens, batch)
         logits = jax.ShapeDtypeStruct((first, self.step.config.vocab_size), jnp.float32)
-        _, knobs = _split(self._example("decode", first))
+        _, knobs = self._example(StepKind.DECODE, first)
         return self._samplers[second].lower(logits, self.last_tokens, knobs)
 
     def _executable(self, job):
@@ -144,25 +143,18 @@ class Runner:
             self._compiled[job] = self._lower(job).compile()
         return self._compiled[job]
 
-    def _run(self, kind, n, batch):
+    def _run(self, kind, n, batch, knobs):
         """Send one step (forward, then sampler) to the device; returns its sampled tokens as a device array, not
         waited for."""
-        forward, knobs = _split(batch)
-        logits, self.caches = self._executable((kind, n))(self.params, self.caches, self.last_tokens, forward)
-        mode = "sample" if np.any(knobs["temperature"] > 0) else "greedy"
+        logits, self.caches = self._executable((kind, n))(self.params, self.caches, self.last_tokens, batch)
+        mode = "greedy" if knobs.greedy else "sample"
         tokens, self.last_tokens = self._executable((logits.shape[0], mode))(logits, self.last_tokens, knobs)
         return tokens
 
     def launch_extend(self, chunks, tables):
-        n = bucket_for(self.prefill_sizes, sum(length for _, _, length in chunks))
-        return self._run("extend", n, extend_batch(chunks, n, self.max_seqs, tables))
+        n = bucket_for(self.prefill_sizes, sum(chunk.length for chunk in chunks))
+        return self._run(StepKind.EXTEND, n, *extend_batch(chunks, n, self.max_seqs, tables))
 
     def launch_decode(self, requests, tables):
         n = bucket_for(self.decode_sizes, len(requests))
-        return self._run("decode", n, decode_batch(requests, n, tables))
-
-
-def _split(batch: dict) -> tuple[dict, dict]:
-    """(the forward's fields, the sampler's: slot ids and knobs)."""
-    knobs = {key: batch[key] for key in SAMPLING_KEYS}
-    return {k: v for k, v in batch.items() if k not in SAMPLING_KEYS or k == "slot_ids"}, knobs
+        return self._run(StepKind.DECODE, n, *decode_batch(requests, n, tables))

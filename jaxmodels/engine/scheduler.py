@@ -19,11 +19,21 @@ the batches are gathered from (`SlotTables`) are updated only when a request is 
 
 import collections
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from jaxmodels.engine.cache import FreeList, PoolSizes
 from jaxmodels.engine.request import Request, RequestStatus
+from jaxmodels.step_context import StepKind
+
+
+class Chunk(NamedTuple):
+    """The tokens start .. start + length - 1 of a request, computed in one extend step."""
+
+    request: Request
+    start: int
+    length: int
 
 
 class SlotTables:
@@ -74,18 +84,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, can_preempt: bool = True):
-        """("extend", [(request, start, length)]) or ("decode", [request]); None when nothing can run now (every
+        """(StepKind.EXTEND, [Chunk]) or (StepKind.DECODE, [Request]); None when nothing can run now (every
         running request waits for tokens in flight) or, with can_preempt=False, when running would need a
         preemption."""
         while True:
             chunks = self._extend_chunks()
             if chunks:
-                return "extend", chunks
+                return StepKind.EXTEND, chunks
             batch = self._decode_batch(can_preempt)
             if batch is None:
                 return None
             if batch:
-                return "decode", batch
+                return StepKind.DECODE, batch
             if not any(r.status is RequestStatus.PREFILLING for r in self.running.values()):
                 return None  # only decoding requests that are finishing: their tokens are in flight
             # Only partial prefills hold the pool and none can grow: give back the newest one's pages.
@@ -119,7 +129,7 @@ class Scheduler:
             if not admitted:
                 self._admit(self.waiting.popleft())
             self.slots.add_pages(request, self.free_pages.take(self._pages_for(request, start + length)))
-            chunks.append((request, start, length))
+            chunks.append(Chunk(request, start, length))
             budget -= length
             request.num_computed = start + length
             if request.num_computed == len(request.token_ids):
@@ -195,8 +205,9 @@ class Scheduler:
         """Account for an extend step's tokens; sampled[i] (a python int) is the token drawn after chunk i. Returns
         the requests that got a token (those whose chunk completed their prompt)."""
         got = []
-        for (request, start, length), token in zip(chunks, sampled):
-            if start + length == len(request.token_ids) and not request.finished:
+        for chunk, token in zip(chunks, sampled):
+            request = chunk.request
+            if chunk.start + chunk.length == len(request.token_ids) and not request.finished:
                 self._append(request, token)
                 got.append(request)
         return got

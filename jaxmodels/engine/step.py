@@ -1,22 +1,49 @@
-"""What every family's step object shares: the model split into a static graph and flat params, rebuilt inside the
-jitted step (nnx.merge costs nothing at run time, so the steps run the same layer code as `model(input_ids)`)."""
+"""The engine's side of a model: its params, its caches' shapes, and the two step functions the runner jits.
+
+There is no per-family step code. Every model has one cache-aware forward, `model(tokens, step, caches)`, and
+declares its caches (`model.cache_shapes(sizes)`); a step builds the `StepContext` from the host's batch and calls
+it. The model is split into a static graph and flat params and rebuilt inside the trace (nnx.merge costs nothing at
+run time), so the engine runs exactly the layer code that `model(input_ids)` runs.
+"""
 
 from flax import nnx
 
-from jaxmodels.models.registry import merge_params, model_params
+from jaxmodels.engine.batch import DecodeBatch, ExtendBatch
+from jaxmodels.nnx_params import merge_params, model_params
 from jaxmodels.precision import matmul_precision_for
+from jaxmodels.step_context import StepContext
 
 
 class ModelStep:
-    def __init__(self, model, *, matmul_precision: str | None = None):
+    def __init__(self, model, *, matmul_precision: str | None = None, mamba_ssm_cache_dtype=None):
+        """`matmul_precision` overrides the model's own (its dtype's, or what load_model was told);
+        `mamba_ssm_cache_dtype` the config's SSM state dtype (Nemotron-H only)."""
         self.config = model.config
         self.dtype = model.dtype
-        # The model's own precision (its dtype's, or what load_model was told) unless the engine overrides it.
         self.matmul_precision = (matmul_precision_for(self.dtype, matmul_precision) if matmul_precision
                                  else model.matmul_precision)
+        self._model_cache_shapes = model.cache_shapes
+        self._cache_options = dict(mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
         self.graphdef, self.state = nnx.split(model)
         self.params = model_params(model)
 
+    def cache_shapes(self, sizes) -> list:
+        """Per layer, the ShapeDtypeStructs of its cache for pools of `sizes` (engine.cache.PoolSizes)."""
+        return self._model_cache_shapes(sizes, **self._cache_options)
+
     def _model(self, params):
-        """The model with `params` ({dotted path: array}, traced inside the step) in place."""
-        return merge_params(self.graphdef, self.state, params)
+        """The model with `params` ({dotted path: array}, traced inside the step) in place, at the step's precision."""
+        model = merge_params(self.graphdef, self.state, params)
+        model.matmul_precision = self.matmul_precision
+        return model
+
+    def extend(self, params, caches, batch: ExtendBatch):
+        """Packed chunks of prompts -> (logits of each sequence's last token [S, V], caches)."""
+        step = StepContext.extend(positions=batch.positions, cu_seqlens=batch.cu_seqlens, page_table=batch.page_table,
+                                  slot_ids=batch.slot_ids, has_prefix=batch.has_prefix, prompt_lens=batch.prompt_lens)
+        return self._model(params)(batch.tokens, step, caches)
+
+    def decode(self, params, caches, batch: DecodeBatch, tokens):
+        """One token per row, tokens[B] -> (logits [B, V], caches)."""
+        step = StepContext.decode(positions=batch.positions, page_table=batch.page_table, slot_ids=batch.slot_ids)
+        return self._model(params)(tokens, step, caches)

@@ -1,17 +1,21 @@
 """Grouped-query attention without positional encoding (Nemotron-H's `*` layers): dense causal over whole sequences,
 and packed over a paged KV cache for the engine (the kernel and its reference are in pallas_kernels)."""
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
 from jaxmodels.layers.linear import linear
+from jaxmodels.step_context import StepContext
 
 
 def masked_gqa(q, k, v, visible, *, scale: float):
-    """Grouped-query softmax attention: q[N,T,H,d], k/v[N,S,Hk,d], visible bool broadcastable to [N,T,S] ->
-    [N,T,H,d].
+    """Grouped-query softmax attention: q[N,T,H,d], k[N,S,Hk,d], v[N,S,Hk,dv], visible bool broadcastable to
+    [N,T,S] -> [N,T,H,dv].
 
     Scores and softmax in float32; the probabilities are cast back to v's dtype before the value product, as
     transformers' eager attention does.
@@ -22,7 +26,7 @@ def masked_gqa(q, k, v, visible, *, scale: float):
     scores = jnp.einsum("ntgrd,nsgd->ngrts", q, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("ngrts,nsgd->ntgrd", probs, v).reshape(n, t, heads, head_dim)
+    return jnp.einsum("ngrts,nsgd->ntgrd", probs, v).reshape(n, t, heads, v.shape[-1])
 
 
 def causal_attention(q, k, v, *, scale: float, sliding_window: int | None = None):
@@ -45,6 +49,18 @@ def write_pages(pages, new, token_pages, positions):
     return pages.at[page, positions % page_size].set(new.astype(pages.dtype))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """One attention layer's paged keys and values, [num_pages, page_size, kv_heads, head_dim] each."""
+
+    k: jax.Array
+    v: jax.Array
+    # Logical axes of each field (sharding/rules.py maps them to mesh axes): split by heads, like the projections
+    # that fill them.
+    AXES: ClassVar[dict] = {"k": ("page", None, "kv_head", None), "v": ("page", None, "kv_head", None)}
+
+
 class GQAAttention(nnx.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, rngs: nnx.Rngs,
                  dtype=jnp.float32, sliding_window: int | None = None):
@@ -55,28 +71,27 @@ class GQAAttention(nnx.Module):
         self.v_proj = linear(hidden_size, num_kv_heads * head_dim, rngs=rngs, dtype=dtype)
         self.o_proj = linear(num_heads * head_dim, hidden_size, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        out = causal_attention(q, k, v, scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(batch, seq, -1))
+    def cache_shape(self, num_pages: int, page_size: int, dtype) -> KVCache:
+        kv = jax.ShapeDtypeStruct((num_pages, page_size, self.num_kv_heads, self.head_dim), dtype)
+        return KVCache(k=kv, v=kv)
 
-    def forward_paged(self, x: jax.Array, k_pages, v_pages, *, token_pages, page_table, cu_seqlens, positions):
-        """Packed tokens x[T,D] of the sequences of `cu_seqlens`[S+1] at `positions`[T], with paged KV caches:
-        writes their keys and values, attends over everything cached for their sequence up to themselves
-        (`pallas_kernels.paged_attention`) -> (out[T,D], k_pages, v_pages).
+    def __call__(self, x: jax.Array, step: StepContext | None = None, cache: KVCache | None = None):
+        """Without a step: full causal sequences x[B, T, D] -> out[B, T, D], no cache.
 
-        token_pages[T, P] is each token's page-table row (zeros for padding tokens, so they write the null page);
-        page_table[S, P] the sequences' rows.
+        With one: the step's packed tokens x[T, D] -> (out[T, D], cache). Their keys and values are written to the
+        paged cache at their positions, and each attends over everything cached for its sequence up to itself
+        (`pallas_kernels.paged_attention`).
         """
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        k_pages = write_pages(k_pages, k, token_pages, positions)
-        v_pages = write_pages(v_pages, v, token_pages, positions)
-        out = pallas_kernels.paged_attention(q, k_pages, v_pages, page_table=page_table, cu_seqlens=cu_seqlens,
-                                             positions=positions, scale=self.head_dim**-0.5)
-        return self.o_proj(out.reshape(num_tokens, -1)), k_pages, v_pages
+        *lead, _ = x.shape
+        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        scale = self.head_dim**-0.5
+        if step is None:
+            out = causal_attention(q, k, v, scale=scale, sliding_window=self.sliding_window)
+            return self.o_proj(out.reshape(*lead, -1))
+        cache = KVCache(k=write_pages(cache.k, k, step.token_pages, step.positions),
+                        v=write_pages(cache.v, v, step.token_pages, step.positions))
+        out = pallas_kernels.paged_attention(q, cache.k, cache.v, page_table=step.sequence_pages,
+                                             cu_seqlens=step.cu_seqlens, positions=step.positions, scale=scale)
+        return self.o_proj(out.reshape(*lead, -1)), cache

@@ -8,7 +8,9 @@ The layer works on packed tokens (`cu_seqlens`), the layout of both the kernels 
 equal-length sequences is one such packing.
 """
 
+import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,19 @@ from flax import nnx
 import pallas_kernels
 from jaxmodels.layers.linear import linear
 from jaxmodels.layers.norms import GatedGroupRMSNorm
+from jaxmodels.step_context import StepContext
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MambaCache:
+    """One Mamba layer's state pools, indexed by slot: the conv window `conv[num_slots, conv_dim, K-1]` (model dtype)
+    and the SSM state `ssm[num_slots, H, P, N]` (float32 unless the config says otherwise)."""
+
+    conv: jax.Array
+    ssm: jax.Array
+    # Whole on every device of a dp group: the state is per request, so Mamba scales by splitting the batch.
+    AXES: ClassVar[dict] = {"conv": ("slot", None, None), "ssm": ("slot", None, None, None)}
 
 
 class DepthwiseConv1d(nnx.Module):
@@ -32,7 +47,7 @@ class Mamba2Mixer(nnx.Module):
                  conv_kernel: int, chunk_size: int, time_step_min: float, eps: float, rngs: nnx.Rngs,
                  dtype=jnp.float32, conv_bias: bool = True, proj_bias: bool = False):
         self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
-        self.chunk_size, self.time_step_min = chunk_size, time_step_min
+        self.chunk_size, self.time_step_min, self.conv_kernel = chunk_size, time_step_min, conv_kernel
         self.intermediate = num_heads * head_dim
         self.conv_dim = self.intermediate + 2 * n_groups * state_size
         self.in_proj = linear(hidden_size, self.intermediate + self.conv_dim + num_heads, rngs=rngs,
@@ -43,6 +58,11 @@ class Mamba2Mixer(nnx.Module):
         self.dt_bias = nnx.Param(jnp.full((num_heads,), math.log(math.expm1(0.01)), dtype))
         self.norm = GatedGroupRMSNorm(self.intermediate, self.intermediate // n_groups, eps, dtype=dtype)
         self.out_proj = linear(self.intermediate, hidden_size, rngs=rngs, bias=proj_bias, dtype=dtype)
+
+    def cache_shape(self, num_slots: int, dtype, ssm_dtype) -> MambaCache:
+        return MambaCache(
+            conv=jax.ShapeDtypeStruct((num_slots, self.conv_dim, self.conv_kernel - 1), dtype),
+            ssm=jax.ShapeDtypeStruct((num_slots, self.num_heads, self.head_dim, self.state_size), ssm_dtype))
 
     def forward_packed(self, hidden: jax.Array, cu_seqlens: jax.Array, conv_states=None, ssm_states=None,
                        dt_floor_mask=None):
@@ -126,9 +146,25 @@ class Mamba2Mixer(nnx.Module):
             dt_softplus=True)
         return self._output(y, gate, hidden.dtype), conv_pool, ssm_pool
 
-    def __call__(self, hidden: jax.Array) -> jax.Array:
-        """Full sequences, no cache: hidden[B,T,D] -> [B,T,D]."""
-        batch, seq, dim = hidden.shape
-        cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * seq
-        out, _, _ = self.forward_packed(hidden.reshape(batch * seq, dim), cu_seqlens)
-        return out.reshape(batch, seq, dim)
+    def __call__(self, hidden: jax.Array, step: StepContext | None = None, cache: MambaCache | None = None):
+        """Without a step: full sequences hidden[B, T, D] from zero state -> out[B, T, D], no cache.
+        With one: the step's packed tokens hidden[T, D], continuing from and updating their slots' states ->
+        (out[T, D], cache)."""
+        if step is None:
+            batch, seq, dim = hidden.shape
+            cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * seq
+            out, _, _ = self.forward_packed(hidden.reshape(batch * seq, dim), cu_seqlens)
+            return out.reshape(batch, seq, dim)
+        if step.is_decode:
+            out, conv, ssm = self.forward_decode(hidden, cache.conv, cache.ssm, step.slot_ids)
+            return out, MambaCache(conv=conv, ssm=ssm)
+        slots, fresh = step.slot_ids, ~step.has_prefix
+        # A request's first chunk starts from zero state, whatever its slot's previous owner left there. The SSM
+        # pool is updated in place by the scan, touching only the slots of real sequences (the conv windows are
+        # small enough to gather and scatter).
+        conv0 = jnp.where(fresh[:, None, None], 0, cache.conv[slots]).astype(cache.conv.dtype)
+        # transformers floors dt on prompt tokens only (see forward_packed).
+        dt_floor = step.positions < step.token_prompt_lens()
+        out, conv1, ssm = self.forward_packed_pooled(hidden, step.cu_seqlens, conv0, cache.ssm, slots, ~fresh,
+                                                     dt_floor_mask=dt_floor)
+        return out, MambaCache(conv=cache.conv.at[slots].set(conv1.astype(cache.conv.dtype)), ssm=ssm)

@@ -15,16 +15,20 @@ Two ways to attend, equal in exact arithmetic:
 Softmax scale: `qk_head_dim^-1/2`, times DeepSeek's YaRN `mscale²` when the rope is YaRN.
 """
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from jaxmodels.configs.deepseek_v32 import DeepseekV32Config
+from jaxmodels.layers.attention import masked_gqa, write_pages
 from jaxmodels.layers.indexer import LightningIndexer, causal_layout
 from jaxmodels.layers.linear import linear
 from jaxmodels.layers.norms import RMSNorm
 from jaxmodels.layers.rope import apply_rope_interleaved, softmax_scale_multiplier
+from jaxmodels.step_context import StepContext
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
 MLA_PATHS = ("absorbed", "expanded")
@@ -37,8 +41,24 @@ def selection_mask(indices: jax.Array, num_keys: int) -> jax.Array:
     return jnp.zeros((indices.shape[0], num_keys), bool).at[rows, cols].set(True, mode="drop")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLACache:
+    """One MLA layer's paged caches, [num_pages, page_size, ...] each (page 0 is the null page): the latent rows
+    `[c ‖ k_rope]` (model dtype) and, for a layer with its own indexer, the index keys (`index_k`, FP8 with a
+    float32 `index_k_scale` per key under the reference numerics). GLM-5's shared layers have neither index field."""
+
+    latent: jax.Array
+    index_k: jax.Array | None = None
+    index_k_scale: jax.Array | None = None
+    # Whole on every device: the latent row is shared by all heads, so a head split would still need every row.
+    AXES: ClassVar[dict] = {"latent": ("page", None, None), "index_k": ("page", None, None),
+                            "index_k_scale": ("page", None)}
+
+
 class MLAttention(nnx.Module):
-    def __init__(self, config: DeepseekV32Config, *, with_indexer: bool, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, config, *, with_indexer: bool, rngs: nnx.Rngs, dtype=jnp.float32):
+        """`config`: a DSA config (jaxmodels.configs.deepseek_v32)."""
         c = config
         self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
@@ -108,37 +128,43 @@ class MLAttention(nnx.Module):
         return jnp.concatenate([k_nope, k_rope], axis=-1), values
 
     def attend_expanded(self, q_nope, q_rope, latent, visible):
-        """q[B, T, H, *] over latent rows [B, S, Dl+dr] where visible[B, T, S] -> [B, T, H, dv].
-
-        Scores and softmax in float32; probabilities cast to the value dtype before the value product (transformers'
-        eager attention does the same).
-        """
+        """q[B, T, H, *] over latent rows [B, S, Dl+dr] where visible[B, T, S] -> [B, T, H, dv]: multi-head
+        attention over the expanded keys and values (`masked_gqa` with one query head per key head)."""
         keys, values = self.expand_latent(latent)
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        scores = jnp.einsum("bthd,bshd->bhts", q, keys, preferred_element_type=jnp.float32) * self.scale
-        scores = jnp.where(visible[:, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        return jnp.einsum("bhts,bshv->bthv", probs, values)
+        return masked_gqa(jnp.concatenate([q_nope, q_rope], axis=-1), keys, values, visible, scale=self.scale)
 
-    # ---- whole causal sequences (no cache) --------------------------------------------------------------------------
+    # ---- the forward ------------------------------------------------------------------------------------------------
+
+    def cache_shape(self, num_pages: int, page_size: int, dtype, index_key_dtype) -> MLACache:
+        pages = (num_pages, page_size)
+        latent = jax.ShapeDtypeStruct(pages + (self.kv_lora_rank + self.qk_rope_head_dim,), dtype)
+        if self.indexer is None:
+            return MLACache(latent=latent)
+        fp8_keys = self.indexer.numerics != "exact"
+        return MLACache(
+            latent=latent,
+            index_k=jax.ShapeDtypeStruct(pages + (self.indexer.head_dim,), index_key_dtype),
+            index_k_scale=jax.ShapeDtypeStruct(pages, jnp.float32) if fp8_keys else None)
 
     def __call__(self, hidden: jax.Array, cos: jax.Array, sin: jax.Array, shared_indices: jax.Array | None = None,
-                 *, path: str = "absorbed"):
-        """hidden[B, T, D], cos/sin[T, rope/2] -> (out[B, T, D], indices int32[B·T, k]).
+                 *, step: StepContext | None = None, cache: MLACache | None = None, path: str = "absorbed"):
+        """-> (out, indices), plus the updated cache with a step. `indices` are the selected key positions of each
+        query; a layer without an indexer takes them from the previous layer (`shared_indices`).
 
-        `indices` are the selected key positions of each (row, query) pair; a layer without an indexer takes them
-        from the previous layer (`shared_indices`). Both paths attend to exactly these keys.
+        Without a step: whole causal sequences hidden[B, T, D], cos/sin[T, rope/2]; indices int32[B·T, k]. Both
+        `path`s attend to exactly the selected keys.
+        With one: the step's packed tokens hidden[T, D] write their latent rows (and index keys) at their positions,
+        select among their request's positions 0..position and attend (absorbed) to those rows.
         """
         if path not in MLA_PATHS:
             raise ValueError(f"MLA path must be one of {MLA_PATHS}, got {path!r}")
-        batch, seq = hidden.shape[:2]
         q_nope, q_rope, latent, q_latent = self.project(hidden, cos, sin)
-        if self.indexer is not None:
-            indices = self.indexer.select_full(hidden, q_latent, cos, sin)
-        elif shared_indices is None:
+        if self.indexer is None and shared_indices is None:
             raise ValueError("an MLA layer without an indexer needs the previous layer's top-k indices")
-        else:
-            indices = shared_indices
+        if step is not None:
+            return self._cached_step(hidden, cos, sin, shared_indices, step, cache, q_nope, q_rope, latent, q_latent)
+        batch, seq = hidden.shape[:2]
+        indices = shared_indices if self.indexer is None else self.indexer.select_full(hidden, q_latent, cos, sin)
         if path == "expanded":
             visible = selection_mask(indices, seq).reshape(batch, seq, seq)
             out = self.attend_expanded(q_nope, q_rope, latent, visible)
@@ -150,3 +176,22 @@ class MLAttention(nnx.Module):
                                                     seq)
         out_latent = self.attend_absorbed(q_absorbed, latent, rows)
         return self.output_from_latent(out_latent.reshape(batch, seq, self.num_heads, -1)), indices
+
+    def _cached_step(self, hidden, cos, sin, indices, step, cache, q_nope, q_rope, latent, q_latent):
+        page_size = cache.latent.shape[1]
+        cache = dataclasses.replace(cache, latent=write_pages(cache.latent, latent, step.token_pages, step.positions))
+        if self.indexer is not None:  # GLM-5's shared layers keep the previous layer's selection
+            keys, key_scale = self.indexer.keys(hidden, cos, sin)
+            cache = dataclasses.replace(cache, index_k=write_pages(cache.index_k, keys, step.token_pages,
+                                                                   step.positions))
+            if key_scale is not None:
+                cache = dataclasses.replace(cache, index_k_scale=write_pages(cache.index_k_scale, key_scale,
+                                                                             step.token_pages, step.positions))
+            q, weights = self.indexer.queries(hidden, q_latent, cos, sin)
+            topk = min(self.indexer.topk, step.page_table.shape[1] * page_size)
+            indices = self.indexer.select(q, weights, cache.index_k, kv_lens=step.positions + 1, topk=topk,
+                                          k_scale=cache.index_k_scale, page_table=step.page_table,
+                                          seq_ids=step.seq_ids)
+        rows = pallas_kernels.logical_to_cache_rows(indices, step.page_table, step.seq_ids, page_size)
+        out = self.attend_absorbed(self.absorb_query(q_nope, q_rope), cache.latent, rows)
+        return self.output_from_latent(out), indices, cache

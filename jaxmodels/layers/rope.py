@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels.configs.deepseek_v32 import RopeConfig
+from jaxmodels.configs.rope import RopeConfig
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

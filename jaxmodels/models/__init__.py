@@ -1,1 +1,1 @@
-"""Model families. `registry` maps HF architecture names to model classes."""
+"""Model families, one file each; jaxmodels/families.py maps HF `model_type`s to them."""

@@ -6,11 +6,9 @@ the first `first_k_dense_replace` layers and a DeepSeek MoE (grouped sigmoid rou
 Parameter names mirror transformers' (without the `model.` prefix), so the bridge maps checkpoints by rule.
 Multi-token-prediction layers (`layers.{num_hidden_layers}...` in published checkpoints) are not built.
 
-Forward structure, for a serving step with caches: the model computes one RoPE table for the positions, then per
-layer `MLAttention.project` (q parts, the latent cache row, the q latent), `LightningIndexer.keys` (the index-key
-cache row) and `.queries`, `.select` over the index-key cache, and `MLAttention.absorb_query` /
-`.attend_absorbed` / `.output_from_latent` over the latent cache. `__call__` chains these over whole sequences,
-using the batch's own rows as the caches.
+One forward serves every mode (see jaxmodels.step_context): whole causal sequences, using the batch's own rows as
+the caches, or the engine's packed extend and decode steps over paged latent and index-key caches. With no recurrent
+state, extend and decode are the same per-token computation; only which tokens' logits come back differs.
 """
 
 import jax
@@ -18,13 +16,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmodels.configs.deepseek_v32 import DeepseekV32Config
-from jaxmodels.layers.linear import linear, lm_logits
 from jaxmodels.layers.mla import MLAttention
 from jaxmodels.layers.mlp import GatedMLP
 from jaxmodels.layers.moe import MoE
 from jaxmodels.layers.norms import RMSNorm
 from jaxmodels.layers.rope import rope_cos_sin
-from jaxmodels.precision import matmul_precision_for, precision_scope
+from jaxmodels.models.causal_lm import CausalLM
+from jaxmodels.precision import precision_scope
+from jaxmodels.step_context import StepContext
 
 
 def build_mlp(config: DeepseekV32Config, kind: str, *, rngs: nnx.Rngs, dtype) -> nnx.Module:
@@ -49,46 +48,57 @@ class DeepseekV32DecoderLayer(nnx.Module):
                                                 scale_in_float32=False)
         self.mlp = build_mlp(config, config.mlp_layer_types[index], rngs=rngs, dtype=dtype)
 
-    def __call__(self, hidden, cos, sin, indices=None, *, mla_path: str = "absorbed"):
-        attn, indices = self.self_attn(self.input_layernorm(hidden), cos, sin, indices, path=mla_path)
+    def __call__(self, hidden, cos, sin, indices=None, *, step: StepContext | None = None, cache=None,
+                 mla_path: str = "absorbed"):
+        """-> (hidden, the top-k indices the next layer may share, the layer's cache: None without a step)."""
+        x = self.input_layernorm(hidden)
+        if step is None:
+            attn, indices = self.self_attn(x, cos, sin, indices, path=mla_path)
+        else:
+            attn, indices, cache = self.self_attn(x, cos, sin, indices, step=step, cache=cache)
         hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), indices
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), indices, cache
 
 
-class DeepseekV32ForCausalLM(nnx.Module):
+class DeepseekV32ForCausalLM(CausalLM):
     HF_BASE_PREFIX = "model."  # transformers' layout, and DeepSeek's / Z.ai's published checkpoints
 
     def __init__(self, config: DeepseekV32Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  matmul_precision: str | None = None):
-        rngs = rngs if rngs is not None else nnx.Rngs(0)
-        self.config = config
-        self.dtype = jnp.dtype(dtype)
-        self.matmul_precision = matmul_precision_for(self.dtype, matmul_precision)
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-                                      rngs=rngs)
+        rngs = self._init_model(config, dtype, matmul_precision, rngs)
         self.layers = nnx.List([DeepseekV32DecoderLayer(config, i, rngs=rngs, dtype=dtype)
                                 for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, scale_in_float32=False)
-        if not config.tie_word_embeddings:
-            self.lm_head = linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
+        self._init_head(rngs)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        return lm_logits(hidden, self.embed_tokens, None if self.config.tie_word_embeddings else self.lm_head)
+    def cache_shapes(self, sizes, *, mamba_ssm_cache_dtype=None) -> list:
+        """Per layer, the ShapeDtypeStructs of its paged caches (`sizes`: num_pages, page_size; see
+        engine.cache.PoolSizes)."""
+        if mamba_ssm_cache_dtype is not None:
+            raise ValueError("mamba_ssm_cache_dtype applies to Nemotron-H models; DSA models have no Mamba state")
+        index_key_dtype = jnp.float8_e4m3fn if self.config.indexer_numerics != "exact" else self.dtype
+        return [layer.self_attn.cache_shape(sizes.num_pages, sizes.page_size, self.dtype, index_key_dtype)
+                for layer in self.layers]
 
-    def __call__(self, input_ids: jax.Array, *, mla_path: str = "absorbed") -> jax.Array:
-        """int32[B, T] -> float32[B, T, V]: full causal forward, no cache.
+    def __call__(self, input_ids: jax.Array, step: StepContext | None = None, caches: list | None = None, *,
+                 mla_path: str = "absorbed"):
+        """Without a step: int32[B, T] -> float32[B, T, V], the full causal forward with no cache. `mla_path` picks
+        how attention runs then ("absorbed": the sparse latent kernel the engine uses; "expanded": per-head keys and
+        values); both attend to the same indexer-selected keys.
 
-        `mla_path` picks how attention runs ("absorbed": the sparse latent kernel decoding uses; "expanded": per-head
-        keys and values, as prefill would); both attend to the same indexer-selected keys.
+        With one: the step's packed int32[T] over `caches` (as `cache_shapes` lays them out) ->
+        (logits float32[R, V] of the step's `logit_rows`, updated caches).
         """
-        input_ids = jnp.asarray(input_ids, jnp.int32)
         with precision_scope(self.matmul_precision):
-            hidden = self.embed_tokens(input_ids)
-            cos, sin = rope_cos_sin(jnp.arange(input_ids.shape[1]), self.config.rope)
+            hidden = self.embed(input_ids)
+            positions = jnp.arange(hidden.shape[1]) if step is None else step.positions
+            cos, sin = rope_cos_sin(positions, self.config.rope)
+            caches = list(caches) if caches is not None else [None] * len(self.layers)
             indices = None
-            for layer in self.layers:
-                hidden, indices = layer(hidden, cos, sin, indices, mla_path=mla_path)
-            return self.logits(self.norm(hidden))
+            for i, layer in enumerate(self.layers):
+                hidden, indices, caches[i] = layer(hidden, cos, sin, indices, step=step, cache=caches[i],
+                                                   mla_path=mla_path)
+            return self._output(self.norm(hidden), step, caches)
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

@@ -1,6 +1,8 @@
 """Nemotron-H hybrid (NVIDIA): a stack of single-mixer blocks `x + mixer(RMSNorm(x))`.
 
 Mixers: Mamba2 (`mamba`), GQA attention without RoPE (`attention`), relu² MLP (`mlp`), relu² MoE (`moe`).
+One forward serves every mode (see jaxmodels.step_context): full sequences, or the engine's packed extend and decode
+steps over paged KV caches and Mamba state pools (one cache per attention / Mamba layer).
 Parameter names mirror transformers' `NemotronHForCausalLM` (without the `backbone.`/`model.` prefix), so the
 bridge maps checkpoints by rule rather than by table.
 """
@@ -14,9 +16,12 @@ from jaxmodels.layers.attention import GQAAttention
 from jaxmodels.layers.mamba2 import Mamba2Mixer
 from jaxmodels.layers.mlp import MLP
 from jaxmodels.layers.moe import MoE
-from jaxmodels.layers.linear import linear, lm_logits
 from jaxmodels.layers.norms import RMSNorm
-from jaxmodels.precision import matmul_precision_for, precision_scope
+from jaxmodels.models.causal_lm import CausalLM
+from jaxmodels.precision import precision_scope
+from jaxmodels.step_context import StepContext
+
+CACHED_KINDS = ("attention", "mamba")
 
 
 def build_mixer(config: NemotronHConfig, kind: str, *, rngs: nnx.Rngs, dtype) -> nnx.Module:
@@ -49,33 +54,50 @@ class NemotronHBlock(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon, dtype=dtype)
         self.mixer = build_mixer(config, kind, rngs=rngs, dtype=dtype)
 
-    def __call__(self, hidden: jax.Array) -> jax.Array:
-        return hidden + self.mixer(self.norm(hidden))
+    def __call__(self, hidden: jax.Array, step: StepContext | None = None, cache=None):
+        """-> (hidden, the layer's cache: None without a step or for MLP / MoE blocks)."""
+        x = self.norm(hidden)
+        if step is not None and self.kind in CACHED_KINDS:
+            x, cache = self.mixer(x, step, cache)
+        else:
+            x = self.mixer(x)
+        return hidden + x, cache
 
 
-class NemotronHForCausalLM(nnx.Module):
+class NemotronHForCausalLM(CausalLM):
     HF_BASE_PREFIX = "backbone."  # NVIDIA's published checkpoints; transformers writes the same on save
+    EMBEDDING = "embeddings"
 
     def __init__(self, config: NemotronHConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  matmul_precision: str | None = None):
-        rngs = rngs if rngs is not None else nnx.Rngs(0)
-        self.config = config
-        self.dtype = jnp.dtype(dtype)
-        self.matmul_precision = matmul_precision_for(self.dtype, matmul_precision)
-        self.embeddings = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-                                    rngs=rngs)
+        rngs = self._init_model(config, dtype, matmul_precision, rngs)
         self.layers = nnx.List([NemotronHBlock(config, kind, rngs=rngs, dtype=dtype) for kind in config.layer_types])
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon, dtype=dtype)
-        if not config.tie_word_embeddings:
-            self.lm_head = linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
+        self._init_head(rngs)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        return lm_logits(hidden, self.embeddings, None if self.config.tie_word_embeddings else self.lm_head)
+    def cache_shapes(self, sizes, *, mamba_ssm_cache_dtype=None) -> list:
+        """Per layer, the ShapeDtypeStructs of its serving cache (None for MLP / MoE blocks); `sizes` gives
+        num_pages, page_size and num_slots (engine.cache.PoolSizes)."""
+        ssm_dtype = jnp.dtype(mamba_ssm_cache_dtype or self.config.mamba_ssm_cache_dtype)
+        shapes = []
+        for block in self.layers:
+            if block.kind == "attention":
+                shapes.append(block.mixer.cache_shape(sizes.num_pages, sizes.page_size, self.dtype))
+            elif block.kind == "mamba":
+                shapes.append(block.mixer.cache_shape(sizes.num_slots, self.dtype, ssm_dtype))
+            else:
+                shapes.append(None)
+        return shapes
 
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
-        """int32[B,T] -> float32[B,T,V]: full causal forward, no cache."""
+    def __call__(self, input_ids: jax.Array, step: StepContext | None = None, caches: list | None = None):
+        """Without a step: int32[B, T] -> float32[B, T, V], the full causal forward with no cache.
+
+        With one: the step's packed int32[T] over `caches` (as `cache_shapes` lays them out) ->
+        (logits float32[R, V] of the step's `logit_rows`, updated caches).
+        """
         with precision_scope(self.matmul_precision):
-            hidden = self.embeddings(jnp.asarray(input_ids, jnp.int32))
-            for block in self.layers:
-                hidden = block(hidden)
-            return self.logits(self.norm_f(hidden))
+            hidden = self.embed(input_ids)
+            caches = list(caches) if caches is not None else [None] * len(self.layers)
+            for i, block in enumerate(self.layers):
+                hidden, caches[i] = block(hidden, step, caches[i])
+            return self._output(self.norm_f(hidden), step, caches)

@@ -116,7 +116,7 @@ def test_bad_glm_indexer_types(glm_checkpoint, tmp_path, edit, field):
 
 def test_legacy_rope_scaling_is_read(good_checkpoint, tmp_path):
     """DeepSeek's own config.json spells YaRN as top-level `rope_theta` + `rope_scaling` with `type`."""
-    from jaxmodels.configs import load_config
+    from jaxmodels.families import load_config
 
     def legacy(config):
         config.pop("rope_parameters")

@@ -5,7 +5,7 @@ import pytest
 import jaxmodels
 from jaxmodels.engine import cache
 from jaxmodels.engine.cache import PoolSizes, pages_within, total_bytes
-from jaxmodels.engine.family import step_for
+from jaxmodels.engine.step import ModelStep
 from tests.hf_models import make_nemotron_h, save
 
 
@@ -15,7 +15,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_pages_fill_the_budget(checkpoint):
-    step = step_for(jaxmodels.load_model(checkpoint, progress=False))
+    step = ModelStep(jaxmodels.load_model(checkpoint, progress=False))
     sizes = PoolSizes.from_limits(max_batch_size=4, max_seq_len=64)
     budget = 3 * 2**20
     pages = pages_within(budget, step.cache_shapes, sizes)
@@ -26,7 +26,7 @@ def test_pages_fill_the_budget(checkpoint):
 
 
 def test_too_small_a_budget_is_explained(checkpoint):
-    step = step_for(jaxmodels.load_model(checkpoint, progress=False))
+    step = ModelStep(jaxmodels.load_model(checkpoint, progress=False))
     sizes = PoolSizes.from_limits(max_batch_size=4, max_seq_len=64)
     with pytest.raises(ValueError, match="not enough for one request"):
         pages_within(10_000, step.cache_shapes, sizes)

@@ -15,18 +15,13 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxmodels.configs import load_config
+from jaxmodels.families import load_config
 from jaxmodels.engine.cache import PoolSizes
-from jaxmodels.engine.family import step_for
-from jaxmodels.engine.runner import SAMPLERS, Runner, _split
-from jaxmodels.models.registry import model_class
+from jaxmodels.engine.step import ModelStep
+from jaxmodels.engine.runner import SAMPLERS, Runner
+from jaxmodels.families import model_class
 from pallas_kernels import _dispatch
-from tests.hf_models import DSA_BASE, NEMOTRON_H_BASE, NEMOTRON_H_VARIANTS
-
-CONFIGS = {
-    "nemotron_h": {"model_type": "nemotron_h", **NEMOTRON_H_BASE, **NEMOTRON_H_VARIANTS["moe"]},
-    "deepseek_v32": {"model_type": "deepseek_v32", **DSA_BASE},
-}
+from tests.hf_models import TINY_CONFIGS
 
 
 def control_flow(text: str) -> list[str]:
@@ -43,16 +38,16 @@ def control_flow(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
 def test_step_programs_have_no_xla_control_flow(model_type, monkeypatch, cuda_lowering):
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
-    config = load_config(CONFIGS[model_type])
-    step = step_for(model_class(config)(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    config = load_config(TINY_CONFIGS[model_type])
+    step = ModelStep(model_class(config)(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     runner = Runner(step, PoolSizes.from_limits(max_batch_size=2, max_seq_len=16), decode_sizes=[2],
                     prefill_sizes=[8], max_seqs_per_extend=2)
     programs = {}
     for kind, n in (("extend", 8), ("decode", 2)):
-        forward, knobs = _split(runner._example(kind, n))
+        forward, knobs = runner._example(kind, n)
         programs[kind] = cuda_lowering(runner._forward[kind], runner.params, runner.caches, runner.last_tokens,
                                        forward)
     logits = jax.ShapeDtypeStruct((2, config.vocab_size), jnp.float32)

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from jaxmodels.configs import ConfigError, NemotronHConfig, load_config
+from jaxmodels.configs import ConfigError, NemotronHConfig
+from jaxmodels.families import load_config
 
 CANONICAL = {
     "model_type": "nemotron_h", "vocab_size": 100, "hidden_size": 32,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxmodels.configs import load_config
+from jaxmodels.families import load_config
 from jaxmodels.layers.indexer import LightningIndexer, hadamard_matrix
 from jaxmodels.layers.mla import MLAttention
 from jaxmodels.layers.rope import (apply_rope_half, apply_rope_interleaved, attention_factor, inverse_frequencies,

@@ -9,19 +9,14 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxmodels.configs import load_config
-from jaxmodels.engine.family import step_for
-from jaxmodels.models.registry import model_class
-from tests.hf_models import DSA_BASE, NEMOTRON_H_BASE, NEMOTRON_H_VARIANTS
-
-CONFIGS = {
-    "nemotron_h": {"model_type": "nemotron_h", **NEMOTRON_H_BASE, **NEMOTRON_H_VARIANTS["moe"]},
-    "deepseek_v32": {"model_type": "deepseek_v32", **DSA_BASE},
-}
+from jaxmodels.families import load_config
+from jaxmodels.engine.step import ModelStep
+from jaxmodels.families import model_class
+from tests.hf_models import TINY_CONFIGS
 
 
 def build(model_type, dtype, matmul_precision=None):
-    config = load_config(CONFIGS[model_type])
+    config = load_config(TINY_CONFIGS[model_type])
     return model_class(config)(config, dtype=dtype, matmul_precision=matmul_precision, rngs=nnx.Rngs(0))
 
 
@@ -45,14 +40,14 @@ def user_default_bfloat16():
     jax.config.update("jax_default_matmul_precision", previous)
 
 
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
 def test_float32_models_run_every_dot_at_highest(model_type, user_default_bfloat16):
     dots = dot_precisions(forward_text(build(model_type, jnp.float32)))
     assert dots
     assert {precision for precision, _ in dots} == {"HIGHEST"}
 
 
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
 def test_bfloat16_models_keep_the_default_except_float32_routing(model_type):
     dots = dot_precisions(forward_text(build(model_type, jnp.bfloat16)))
     assert {precision for precision, dtype in dots if dtype == "bf16"} == {"DEFAULT"}
@@ -65,12 +60,12 @@ def test_matmul_precision_overrides_the_dtype():
     assert {precision for precision, _ in dots} == {"HIGH", "HIGHEST"}  # TF32 everywhere but the router
 
 
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
 def test_engine_steps_run_at_the_models_precision(model_type, user_default_bfloat16):
     from jaxmodels.engine.cache import PoolSizes
     from jaxmodels.engine.runner import Runner
 
-    step = step_for(build(model_type, jnp.float32))
+    step = ModelStep(build(model_type, jnp.float32))
     sizes = PoolSizes.from_limits(max_batch_size=2, max_seq_len=16)
     runner = Runner(step, sizes, decode_sizes=[2], prefill_sizes=[8], max_seqs_per_extend=2)
     for kind in ("extend", "decode"):

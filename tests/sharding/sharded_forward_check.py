@@ -9,10 +9,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxmodels
-from jaxmodels.models.registry import merge_params, model_params
+from jaxmodels.nnx_params import merge_params, model_params
 from sharding import make_mesh, param_partition_specs, shard_params
 from sharding.rules import spec_for
 from tests.hf_models import make_nemotron_h, save
+from tests.numerics import max_relative_error
 
 
 def main(directory: str) -> None:
@@ -43,7 +44,7 @@ def main(directory: str) -> None:
 
     ids_sharded = jax.device_put(jnp.asarray(ids, jnp.int32), NamedSharding(mesh, P("dp", None)))
     got = np.asarray(forward(sharded, ids_sharded))
-    error = np.abs(got - expected).max() / np.abs(expected).max()
+    error = max_relative_error(got, expected)
     assert error < 1e-5, error
     print(f"sharded forward matches: relative error {error:.2e}")
 

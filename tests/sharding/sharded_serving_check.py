@@ -33,7 +33,8 @@ def main(directory: str) -> None:
         devices = {len(a.sharding.device_set) for a in jax.tree.leaves(llm.engine.runner.caches)}
         assert devices == {mesh["dp"] * mesh["tp"]}, devices
         if name.startswith("nemotron"):
-            assert llm.engine.runner.caches["k"][0].sharding.spec == P(None, None, "tp", None)
+            kv = next(cache for cache in llm.engine.runner.caches if hasattr(cache, "k"))
+            assert kv.k.sharding.spec == P(None, None, "tp", None)
         print(f"{name}: dp={mesh['dp']} tp={mesh['tp']} serves the 1-device tokens")
 
 

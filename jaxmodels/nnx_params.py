@@ -1,0 +1,27 @@
+"""nnx plumbing between modules and flat params: {dotted path: array} out of a module, an abstract module (shapes
+only, no weight allocated) to load into, and the module back from its graphdef and filled params."""
+
+from flax import nnx
+
+
+def param_path(key: tuple) -> str:
+    return ".".join(str(part) for part in key)
+
+
+def abstract_module(factory):
+    """(graphdef, abstract state, {dotted path: ShapeDtypeStruct}) of the module `factory()` would build."""
+    graphdef, state = nnx.split(nnx.eval_shape(factory))
+    flat = {param_path(key): var.get_value() for key, var in nnx.to_flat_state(state)}
+    return graphdef, state, flat
+
+
+def merge_params(graphdef, abstract_state, params: dict):
+    """The model with `params` (dotted path -> array) in place of the abstract state's leaves."""
+    flat = nnx.to_flat_state(abstract_state)
+    filled = [(key, var.replace(params[param_path(key)])) for key, var in flat]
+    return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+def model_params(model) -> dict:
+    """{dotted path: array} of a built model's state."""
+    return {param_path(key): var.get_value() for key, var in nnx.to_flat_state(nnx.state(model))}

@@ -1,0 +1,89 @@
+"""What a cache-aware forward needs to know about the step it runs in: `StepContext`.
+
+A model's forward is one function for every mode (`model(tokens, step=None, caches=None)`):
+  * without a step: full causal sequences tokens[B, T], no cache (what the parity tests compare with transformers);
+  * with a step: the engine's packed tokens[T] of several requests, over paged caches. Its kind is
+    - `EXTEND`: chunks of prompts (a whole prompt, or the next chunk of a long one: chunked prefill), packed back to
+      back by `cu_seqlens`;
+    - `DECODE`: one token per request.
+The context is a pytree built inside the jitted step from the host's batch, so the derived tables (each token's
+sequence and page-table row) are computed once per step, not once per layer.
+
+Layout. S sequences, T packed tokens (T >= cu_seqlens[S]; the tail is padding). A padding token has sequence id S,
+one past the last, and `page_table` carries one extra all-zero row for it, so a padding token reads and writes only
+page 0 and slot 0, the null page and slot that no real request owns. Padded sequences have length 0, slot 0 and an
+all-zero page-table row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.packing import token_sequence_ids
+
+
+class StepKind(str, enum.Enum):
+    """A str enum, so the engine's tables keyed by "extend" / "decode" accept either spelling."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    kind: StepKind = dataclasses.field(metadata=dict(static=True))
+    positions: jax.Array  # int32[T]: each token's position in its request
+    seq_ids: jax.Array  # int32[T]: each token's sequence, S for padding
+    cu_seqlens: jax.Array  # int32[S+1]
+    page_table: jax.Array  # int32[S+1, P]: the sequences' page rows, then the zero row of padding tokens
+    token_pages: jax.Array  # int32[T, P]: page_table[seq_ids]
+    slot_ids: jax.Array  # int32[S]: each sequence's state slot (Mamba), 0 for padded sequences
+    has_prefix: jax.Array  # bool[S]: the sequence continues from cached state (false: its first chunk)
+    prompt_lens: jax.Array  # int32[S]
+    logit_rows: jax.Array  # int32[R]: the tokens whose logits the step returns
+
+    @property
+    def is_decode(self) -> bool:
+        return self.kind is StepKind.DECODE
+
+    @property
+    def num_seqs(self) -> int:
+        return self.slot_ids.shape[0]
+
+    @property
+    def sequence_pages(self) -> jax.Array:
+        """int32[S, P]: the sequences' page-table rows (without the padding row)."""
+        return self.page_table[:-1]
+
+    def token_prompt_lens(self) -> jax.Array:
+        """int32[T]: the prompt length of each token's request (that of the last sequence for padding tokens)."""
+        return self.prompt_lens[jnp.minimum(self.seq_ids, self.num_seqs - 1)]
+
+    @classmethod
+    def extend(cls, *, positions, cu_seqlens, page_table, slot_ids, has_prefix, prompt_lens) -> "StepContext":
+        """Packed chunks; the logits returned are those of each sequence's last token."""
+        num_tokens = positions.shape[0]
+        seq_ids = token_sequence_ids(cu_seqlens, num_tokens)
+        page_table = _with_null_row(page_table)
+        return cls(kind=StepKind.EXTEND, positions=positions, seq_ids=seq_ids, cu_seqlens=cu_seqlens,
+                   page_table=page_table, token_pages=page_table[seq_ids], slot_ids=slot_ids, has_prefix=has_prefix,
+                   prompt_lens=prompt_lens, logit_rows=jnp.clip(cu_seqlens[1:] - 1, 0, num_tokens - 1))
+
+    @classmethod
+    def decode(cls, *, positions, page_table, slot_ids) -> "StepContext":
+        """One token per request (row b is sequence b); every row's logits are returned."""
+        rows = jnp.arange(positions.shape[0], dtype=jnp.int32)
+        page_table = _with_null_row(page_table)
+        return cls(kind=StepKind.DECODE, positions=positions, seq_ids=rows,
+                   cu_seqlens=jnp.arange(positions.shape[0] + 1, dtype=jnp.int32), page_table=page_table,
+                   token_pages=page_table[rows], slot_ids=slot_ids, has_prefix=jnp.ones(rows.shape, bool),
+                   prompt_lens=jnp.zeros_like(positions), logit_rows=rows)  # decode reads no prompt length
+
+
+def _with_null_row(page_table):
+    return jnp.concatenate([page_table, jnp.zeros_like(page_table[:1])])
