@@ -53,8 +53,7 @@ def random_model(raw: dict, dtype: str, calibration_tokens: int = 512):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxmodels.families import load_config
-    from jaxmodels.families import model_class
+    from jaxmodels.families import load_config, model_class
 
     config = load_config(raw)
     model = model_class(config)(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))

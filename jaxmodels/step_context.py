@@ -6,8 +6,8 @@ A model's forward is one function for every mode (`model(tokens, step=None, cach
     - `EXTEND`: chunks of prompts (a whole prompt, or the next chunk of a long one: chunked prefill), packed back to
       back by `cu_seqlens`;
     - `DECODE`: one token per request.
-The context is a pytree built inside the jitted step from the host's batch, so the derived tables (each token's
-sequence and page-table row) are computed once per step, not once per layer.
+The context is a pytree built inside the jitted step from the host's batch, so what is derived from the batch (each
+token's sequence) is computed once per step, not once per layer; `write` stores a layer's new cache rows.
 
 Layout. S sequences, T packed tokens (T >= cu_seqlens[S]; the tail is padding). A padding token has sequence id S,
 one past the last, and `page_table` carries one extra all-zero row for it, so a padding token reads and writes only
@@ -41,7 +41,6 @@ class StepContext:
     seq_ids: jax.Array  # int32[T]: each token's sequence, S for padding
     cu_seqlens: jax.Array  # int32[S+1]
     page_table: jax.Array  # int32[S+1, P]: the sequences' page rows, then the zero row of padding tokens
-    token_pages: jax.Array  # int32[T, P]: page_table[seq_ids]
     slot_ids: jax.Array  # int32[S]: each sequence's state slot (Mamba), 0 for padded sequences
     has_prefix: jax.Array  # bool[S]: the sequence continues from cached state (false: its first chunk)
     prompt_lens: jax.Array  # int32[S]
@@ -60,6 +59,14 @@ class StepContext:
         """int32[S, P]: the sequences' page-table rows (without the padding row)."""
         return self.page_table[:-1]
 
+    def write(self, pages: jax.Array, new: jax.Array) -> jax.Array:
+        """Store new[T, ...] at each token's position in a paged cache pages[num_pages, page_size, ...]: the page is
+        its sequence's page-table entry for the position. A padding token (the zero row, position 0) writes page 0,
+        the null page no real request reads."""
+        page_size = pages.shape[1]
+        page = self.page_table[self.seq_ids, self.positions // page_size]
+        return pages.at[page, self.positions % page_size].set(new.astype(pages.dtype))
+
     def token_prompt_lens(self) -> jax.Array:
         """int32[T]: the prompt length of each token's request (that of the last sequence for padding tokens)."""
         return self.prompt_lens[jnp.minimum(self.seq_ids, self.num_seqs - 1)]
@@ -68,20 +75,18 @@ class StepContext:
     def extend(cls, *, positions, cu_seqlens, page_table, slot_ids, has_prefix, prompt_lens) -> "StepContext":
         """Packed chunks; the logits returned are those of each sequence's last token."""
         num_tokens = positions.shape[0]
-        seq_ids = token_sequence_ids(cu_seqlens, num_tokens)
-        page_table = _with_null_row(page_table)
-        return cls(kind=StepKind.EXTEND, positions=positions, seq_ids=seq_ids, cu_seqlens=cu_seqlens,
-                   page_table=page_table, token_pages=page_table[seq_ids], slot_ids=slot_ids, has_prefix=has_prefix,
-                   prompt_lens=prompt_lens, logit_rows=jnp.clip(cu_seqlens[1:] - 1, 0, num_tokens - 1))
+        return cls(kind=StepKind.EXTEND, positions=positions, seq_ids=token_sequence_ids(cu_seqlens, num_tokens),
+                   cu_seqlens=cu_seqlens, page_table=_with_null_row(page_table), slot_ids=slot_ids,
+                   has_prefix=has_prefix, prompt_lens=prompt_lens,
+                   logit_rows=jnp.clip(cu_seqlens[1:] - 1, 0, num_tokens - 1))
 
     @classmethod
     def decode(cls, *, positions, page_table, slot_ids) -> "StepContext":
         """One token per request (row b is sequence b); every row's logits are returned."""
         rows = jnp.arange(positions.shape[0], dtype=jnp.int32)
-        page_table = _with_null_row(page_table)
         return cls(kind=StepKind.DECODE, positions=positions, seq_ids=rows,
-                   cu_seqlens=jnp.arange(positions.shape[0] + 1, dtype=jnp.int32), page_table=page_table,
-                   token_pages=page_table[rows], slot_ids=slot_ids, has_prefix=jnp.ones(rows.shape, bool),
+                   cu_seqlens=jnp.arange(positions.shape[0] + 1, dtype=jnp.int32),
+                   page_table=_with_null_row(page_table), slot_ids=slot_ids, has_prefix=jnp.ones(rows.shape, bool),
                    prompt_lens=jnp.zeros_like(positions), logit_rows=rows)  # decode reads no prompt length
 
 

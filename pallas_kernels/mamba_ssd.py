@@ -10,9 +10,9 @@ with head h reading group h // (H // G) of B and C. `A` is the already negative 
 
 Chunking of packed sequences: chunk boundaries are aligned to sequence starts, so a chunk never holds tokens of two
 sequences (vLLM does the same). Sequence s of length n_s owns ceil(n_s / chunk_size) chunks, the last one possibly
-short; the chunk count is therefore at most T // chunk_size + S, a static bound, and `_chunk_table`
-(`packing.aligned_blocks`) builds the (sequence, start token, length) table with traced `cu_seqlens`. Aligning chunks instead of masking by sequence id
-keeps every chunk's arithmetic that of a single sequence and lets the kernel carry one state per sequence.
+short; the chunk count is therefore at most T // chunk_size + S, a static bound, and `packing.aligned_blocks` builds
+the (sequence, start token, length) table with traced `cu_seqlens`. Aligning chunks instead of masking by sequence
+id keeps every chunk's arithmetic that of a single sequence and lets the kernel carry one state per sequence.
 
 Tokens at positions >= cu_seqlens[-1] (bucket padding) belong to no sequence: their y is 0 and they touch no state.
 Empty sequences are allowed: their final state is their initial state.
@@ -46,11 +46,6 @@ _HI = lax.Precision.HIGHEST
 # ----------------------------------------------------------------------------------------------------------------
 # Packed-sequence bookkeeping shared by the reference and the kernel
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _chunk_table(cu_seqlens, num_tokens: int, chunk_size: int) -> dict:
-    """Chunks aligned to sequence starts (`packing.aligned_blocks`, see there for the fields)."""
-    return aligned_blocks(cu_seqlens, num_tokens, chunk_size)
 
 
 def _prepare_dt(dt, dt_bias, dt_softplus, dt_limit):
@@ -112,7 +107,7 @@ def ssd_chunk_scan_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, in
     R = H // G
     S = cu_seqlens.shape[0] - 1
     L = chunk_size
-    tab = _chunk_table(cu_seqlens, T, L)
+    tab = aligned_blocks(cu_seqlens, T, L)
     nc = tab["seq"].shape[0]
 
     dtf = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit)

@@ -24,7 +24,7 @@ token, which is where it loses its time.
 
 Pallas kernel (Triton lowering): grid (query blocks, kv heads, key splits).
   * Query blocks of BQ tokens are aligned to sequence starts, so a block never mixes sequences; a sequence of n tokens
-    owns ceil(n / BQ) blocks, at most T // BQ + S in all (a static bound; `_query_block_table` fills the table from
+    owns ceil(n / BQ) blocks, at most T // BQ + S in all (a static bound; `packing.aligned_blocks` fills the table from
     the traced cu_seqlens, unused entries have length 0 and their programs return at once).
   * A program holds its BQ tokens x the R = H // Hk query heads of its kv head as the rows of one matmul (R padded to
     a power of two Rp by masked rows, M = BQ * Rp >= 16 as Triton dots need). It loops over key tiles of BK keys from
@@ -120,13 +120,6 @@ def paged_attention_reference(q, k_pages, v_pages, *, page_table, cu_seqlens, po
 # ----------------------------------------------------------------------------------------------------------------
 # Pallas kernel
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _query_block_table(cu_seqlens, num_tokens: int, block_q: int):
-    """Query blocks aligned to sequence starts: int32 (seq[b], start[b], length[b]) of static length NB; blocks past
-    the last real one (and nothing else) have length 0."""
-    blocks = aligned_blocks(cu_seqlens, num_tokens, block_q)
-    return blocks["seq"], blocks["start"], blocks["length"]
 
 
 def _paged_attention_kernel(blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, pos_ref, pt_ref, q_ref, k_ref, v_ref,
@@ -234,7 +227,8 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, cu_seqlens, positio
     num_pages, page_size, Hk, _ = k_pages.shape
     S, max_pages = page_table.shape
     r_pad = next_pow2(H // Hk)
-    blk_seq, blk_start, blk_len = _query_block_table(cu_seqlens, T, block_q)
+    blocks = aligned_blocks(cu_seqlens, T, block_q)  # blocks past the last real one have length 0
+    blk_seq, blk_start, blk_len = blocks["seq"], blocks["start"], blocks["length"]
     nb = blk_seq.shape[0]
     compute_dtype = jnp.bfloat16 if v_pages.dtype == jnp.bfloat16 else _f32
     kernel = functools.partial(

@@ -1,8 +1,8 @@
 """Cache pools and their host-side allocators.
 
 Device side, each model declares its caches, one per layer (`model.cache_shapes`: paged KV / latent / index-key
-pages, Mamba state slots); here they are sized and allocated. Page 0 and slot 0 are the null page / slot: padded tokens and requests read and write only them, and
-the allocators never hand them to a real request.
+pages, Mamba state slots); here they are sized and allocated. Page 0 and slot 0 are the null page / slot: padded
+tokens and requests read and write only them, and the allocators never hand them to a real request.
 """
 
 import dataclasses

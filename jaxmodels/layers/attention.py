@@ -38,17 +38,6 @@ def causal_attention(q, k, v, *, scale: float, sliding_window: int | None = None
     return masked_gqa(q, k, v, visible[None], scale=scale)
 
 
-def write_pages(pages, new, token_pages, positions):
-    """Store new[T,Hk,d] at each token's slot of a paged cache pages[num_pages, page_size, Hk, d].
-
-    token_pages[T, P] is each token's page-table row; a padded token's row is all zeros, so it writes page 0, the
-    null page no real request reads.
-    """
-    page_size = pages.shape[1]
-    page = jnp.take_along_axis(token_pages, (positions // page_size)[:, None], axis=1)[:, 0]
-    return pages.at[page, positions % page_size].set(new.astype(pages.dtype))
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -90,8 +79,7 @@ class GQAAttention(nnx.Module):
         if step is None:
             out = causal_attention(q, k, v, scale=scale, sliding_window=self.sliding_window)
             return self.o_proj(out.reshape(*lead, -1))
-        cache = KVCache(k=write_pages(cache.k, k, step.token_pages, step.positions),
-                        v=write_pages(cache.v, v, step.token_pages, step.positions))
+        cache = KVCache(k=step.write(cache.k, k), v=step.write(cache.v, v))
         out = pallas_kernels.paged_attention(q, cache.k, cache.v, page_table=step.sequence_pages,
                                              cu_seqlens=step.cu_seqlens, positions=step.positions, scale=scale)
         return self.o_proj(out.reshape(*lead, -1)), cache

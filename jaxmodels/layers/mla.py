@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from jaxmodels.layers.attention import masked_gqa, write_pages
+from jaxmodels.layers.attention import masked_gqa
 from jaxmodels.layers.indexer import LightningIndexer, causal_layout
 from jaxmodels.layers.linear import linear
 from jaxmodels.layers.norms import RMSNorm
@@ -135,16 +135,18 @@ class MLAttention(nnx.Module):
 
     # ---- the forward ------------------------------------------------------------------------------------------------
 
-    def cache_shape(self, num_pages: int, page_size: int, dtype, index_key_dtype) -> MLACache:
+    def cache_shape(self, num_pages: int, page_size: int, dtype) -> MLACache:
+        """Latent rows in `dtype`; index keys in `dtype` under exact indexer numerics, else FP8 with a float32 scale
+        per key."""
         pages = (num_pages, page_size)
         latent = jax.ShapeDtypeStruct(pages + (self.kv_lora_rank + self.qk_rope_head_dim,), dtype)
         if self.indexer is None:
             return MLACache(latent=latent)
-        fp8_keys = self.indexer.numerics != "exact"
-        return MLACache(
-            latent=latent,
-            index_k=jax.ShapeDtypeStruct(pages + (self.indexer.head_dim,), index_key_dtype),
-            index_k_scale=jax.ShapeDtypeStruct(pages, jnp.float32) if fp8_keys else None)
+        if self.indexer.numerics == "exact":
+            return MLACache(latent=latent, index_k=jax.ShapeDtypeStruct(pages + (self.indexer.head_dim,), dtype))
+        return MLACache(latent=latent,
+                        index_k=jax.ShapeDtypeStruct(pages + (self.indexer.head_dim,), jnp.float8_e4m3fn),
+                        index_k_scale=jax.ShapeDtypeStruct(pages, jnp.float32))
 
     def __call__(self, hidden: jax.Array, cos: jax.Array, sin: jax.Array, shared_indices: jax.Array | None = None,
                  *, step: StepContext | None = None, cache: MLACache | None = None, path: str = "absorbed"):
@@ -179,19 +181,17 @@ class MLAttention(nnx.Module):
 
     def _cached_step(self, hidden, cos, sin, indices, step, cache, q_nope, q_rope, latent, q_latent):
         page_size = cache.latent.shape[1]
-        cache = dataclasses.replace(cache, latent=write_pages(cache.latent, latent, step.token_pages, step.positions))
+        latent_pages = step.write(cache.latent, latent)
+        index_k, index_k_scale = cache.index_k, cache.index_k_scale
         if self.indexer is not None:  # GLM-5's shared layers keep the previous layer's selection
             keys, key_scale = self.indexer.keys(hidden, cos, sin)
-            cache = dataclasses.replace(cache, index_k=write_pages(cache.index_k, keys, step.token_pages,
-                                                                   step.positions))
+            index_k = step.write(index_k, keys)
             if key_scale is not None:
-                cache = dataclasses.replace(cache, index_k_scale=write_pages(cache.index_k_scale, key_scale,
-                                                                             step.token_pages, step.positions))
+                index_k_scale = step.write(index_k_scale, key_scale)
             q, weights = self.indexer.queries(hidden, q_latent, cos, sin)
             topk = min(self.indexer.topk, step.page_table.shape[1] * page_size)
-            indices = self.indexer.select(q, weights, cache.index_k, kv_lens=step.positions + 1, topk=topk,
-                                          k_scale=cache.index_k_scale, page_table=step.page_table,
-                                          seq_ids=step.seq_ids)
+            indices = self.indexer.select(q, weights, index_k, kv_lens=step.positions + 1, topk=topk,
+                                          k_scale=index_k_scale, page_table=step.page_table, seq_ids=step.seq_ids)
         rows = pallas_kernels.logical_to_cache_rows(indices, step.page_table, step.seq_ids, page_size)
-        out = self.attend_absorbed(self.absorb_query(q_nope, q_rope), cache.latent, rows)
-        return self.output_from_latent(out), indices, cache
+        out = self.attend_absorbed(self.absorb_query(q_nope, q_rope), latent_pages, rows)
+        return self.output_from_latent(out), indices, MLACache(latent_pages, index_k, index_k_scale)

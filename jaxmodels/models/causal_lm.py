@@ -36,6 +36,10 @@ class CausalLM(nnx.Module):
         head = None if self.config.tie_word_embeddings else self.lm_head
         return lm_logits(hidden, getattr(self, self.EMBEDDING), head)
 
+    def _layer_caches(self, caches: list | None) -> list:
+        """A list to fill with each layer's updated cache: the step's caches, or one None per layer without a step."""
+        return list(caches) if caches is not None else [None] * len(self.layers)
+
     def _output(self, hidden: jax.Array, step: StepContext | None, caches: list):
         """Final-normed hidden -> the forward's result: all logits without a step, else (logits of the step's
         `logit_rows`, caches)."""

@@ -76,9 +76,7 @@ class DeepseekV32ForCausalLM(CausalLM):
         engine.cache.PoolSizes)."""
         if mamba_ssm_cache_dtype is not None:
             raise ValueError("mamba_ssm_cache_dtype applies to Nemotron-H models; DSA models have no Mamba state")
-        index_key_dtype = jnp.float8_e4m3fn if self.config.indexer_numerics != "exact" else self.dtype
-        return [layer.self_attn.cache_shape(sizes.num_pages, sizes.page_size, self.dtype, index_key_dtype)
-                for layer in self.layers]
+        return [layer.self_attn.cache_shape(sizes.num_pages, sizes.page_size, self.dtype) for layer in self.layers]
 
     def __call__(self, input_ids: jax.Array, step: StepContext | None = None, caches: list | None = None, *,
                  mla_path: str = "absorbed"):
@@ -93,7 +91,7 @@ class DeepseekV32ForCausalLM(CausalLM):
             hidden = self.embed(input_ids)
             positions = jnp.arange(hidden.shape[1]) if step is None else step.positions
             cos, sin = rope_cos_sin(positions, self.config.rope)
-            caches = list(caches) if caches is not None else [None] * len(self.layers)
+            caches = self._layer_caches(caches)
             indices = None
             for i, layer in enumerate(self.layers):
                 hidden, indices, caches[i] = layer(hidden, cos, sin, indices, step=step, cache=caches[i],

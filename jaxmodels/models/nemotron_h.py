@@ -97,7 +97,7 @@ class NemotronHForCausalLM(CausalLM):
         """
         with precision_scope(self.matmul_precision):
             hidden = self.embed(input_ids)
-            caches = list(caches) if caches is not None else [None] * len(self.layers)
+            caches = self._layer_caches(caches)
             for i, block in enumerate(self.layers):
                 hidden, caches[i] = block(hidden, step, caches[i])
             return self._output(self.norm_f(hidden), step, caches)

@@ -15,11 +15,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxmodels.families import load_config
 from jaxmodels.engine.cache import PoolSizes
-from jaxmodels.engine.step import ModelStep
 from jaxmodels.engine.runner import SAMPLERS, Runner
-from jaxmodels.families import model_class
+from jaxmodels.engine.step import ModelStep
+from jaxmodels.families import load_config, model_class
 from pallas_kernels import _dispatch
 from tests.hf_models import TINY_CONFIGS
 

@@ -4,7 +4,6 @@ transformers has no counterpart for: absorbed MLA == expanded MLA, and FP8 `refe
 Single layers differ from transformers only in summation order: 1e-5 relative (as in the Nemotron-H layer tests).
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxmodels.families import load_config
 from jaxmodels.engine.step import ModelStep
-from jaxmodels.families import model_class
+from jaxmodels.families import load_config, model_class
 from tests.hf_models import TINY_CONFIGS
 
 

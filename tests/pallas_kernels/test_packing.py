@@ -46,3 +46,12 @@ def test_aligned_blocks_mark_each_sequences_first_and_last_block():
     lasts = [s for s, f in zip(blocks["seq"], blocks["last"]) if f]
     assert firsts == [(0, 0), (1, 1), (2, 9), (4, 20)]
     assert lasts == [0, 1, 2, 4]
+
+
+def test_aligned_blocks_of_a_packing_with_an_empty_sequence():
+    """The paged-attention kernel's query blocks. Sequences of 5, 0, 3 and 1 tokens, 3 padding tokens, blocks of 4:
+    the bound is (12 + 4 * 3) // 4 = 6 blocks."""
+    blocks = aligned_blocks(jnp.array([0, 5, 5, 8, 9], jnp.int32), num_tokens=12, block=4)
+    np.testing.assert_array_equal(np.asarray(blocks["length"]), [4, 1, 3, 1, 0, 0])
+    np.testing.assert_array_equal(np.asarray(blocks["start"])[:4], [0, 4, 5, 8])
+    np.testing.assert_array_equal(np.asarray(blocks["seq"])[:4], [0, 0, 2, 3])

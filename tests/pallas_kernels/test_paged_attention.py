@@ -83,14 +83,6 @@ MIXED_REAL = 13  # tokens 13..15 are padding
 GQA5 = dict(heads=10, kv_heads=2)
 
 
-def test_query_block_table():
-    # Sequences of 5, 0, 3 and 1 tokens, 3 padding tokens, blocks of 4: the bound is (12 + 4 * 3) // 4 = 6 blocks.
-    seq, start, length = pa._query_block_table(jnp.array([0, 5, 5, 8, 9], jnp.int32), num_tokens=12, block_q=4)
-    np.testing.assert_array_equal(np.asarray(length), [4, 1, 3, 1, 0, 0])
-    np.testing.assert_array_equal(np.asarray(start)[:4], [0, 4, 5, 8])
-    np.testing.assert_array_equal(np.asarray(seq)[:4], [0, 0, 2, 3])
-
-
 @pytest.mark.parametrize("page_size", [16, 6])
 def test_reference_matches_oracle(page_size):
     p = make_problem(0, MIXED, MIXED_TOKENS, **GQA5, page_size=page_size, max_pages=8)
