@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|nano9b_bf16|serve_load|nano30b|deepseek|mla_prefill ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|deepseek|mla_prefill ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,6 +15,10 @@ for what in "$@"; do
     nano30b) bench --config bench/configs/nemotron_h_nano30b_a3b.json --phases decode,serve --batches 1,256 \
         --decode-steps 32 --serve 256 --serve-in 1024 --serve-out 1024 --arrival-rate 0 \
         --json "$OUT/nano30b.json" 2>&1 | tail -30 ;;
+    nano30b_bf16) bench --config bench/configs/nemotron_h_nano30b_a3b.json --phases serve --serve 256 --serve-in 1024 \
+        --serve-out 1024 --arrival-rate 0 --mamba-ssm-cache-dtype bfloat16 --json "$OUT/nano30b_bf16.json" 2>&1 | tail -12 ;;
+    dispatch) for b in 1 256; do python3 bench/dispatch_probe.py --config bench/configs/nemotron_h_nano9b.json \
+        --batch $b 2>&1 | tail -3; done ;;
     deepseek) bench --config bench/configs/deepseek_v32_4layer.json --phases prefill --prefill-chunk 4096 \
         --json "$OUT/deepseek.json" 2>&1 | tail -12 ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;

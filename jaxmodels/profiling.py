@@ -3,6 +3,7 @@
     with jax.profiler.trace(directory, create_perfetto_trace=True):
         ...                          # the steps to look at
     print(format_op_table(op_table(directory), steps=n))
+    print(format_host_table(op_table(directory, HOST), steps=n))
 
 The perfetto trace (`plugins/profile/<run>/perfetto_trace.json.gz`) holds complete events ("ph": "X") per process;
 device work sits in processes named like "/device:GPU:0" (one thread per stream), host work in "/host:CPU". Events
@@ -18,6 +19,8 @@ import json
 import os
 import re
 
+HOST = r"/host:"  # the process of the host threads' events (dispatch, thunk launches, the runtime's own work)
+
 # First match wins; op names are matched case-insensitively.
 CATEGORIES = (
     ("ssm scan", r"ssd_chunk_scan"),
@@ -26,7 +29,7 @@ CATEGORIES = (
     ("attention", r"paged_attention|sparse_mla|flash|attention"),
     ("indexer", r"index_logits|select_topk"),
     ("moe gemm", r"grouped_matmul|ragged"),
-    ("gemm", r"gemm|cublas|cutlass|xmma|dot|matmul"),
+    ("gemm", r"gemm|cublas|cutlass|xmma|nvjet|dot|matmul"),
     ("collective", r"nccl|all-gather|all_gather|reduce-scatter|reduce_scatter|all-reduce|all_reduce|collective"),
     ("copy", r"memcpy|memset|copy"),
     ("sort / top-k", r"sort|top_k|topk"),
@@ -95,4 +98,15 @@ def format_op_table(ops: list[OpTime], *, steps: int = 1, top: int = 20) -> str:
         name = op.name if len(op.name) <= 60 else op.name[:57] + "..."
         lines.append(f"| `{name}` | {op.category} | {op.count / steps:.1f} | {op.total_us / steps / 1e3:.3f} | "
                      f"{op.total_us / total:.1%} |")
+    return "\n".join(lines)
+
+
+def format_host_table(ops: list[OpTime], *, steps: int = 1, top: int = 25) -> str:
+    """Markdown table of the host threads' events, longest first, per step. Host events nest (a dispatch holds its
+    executable's launch, which holds each kernel's), so the times are inclusive and do not add up."""
+    lines = [f"host events per step over {steps} step(s), inclusive times", "",
+             "| host event | calls / step | ms / step |", "|---|---|---|"]
+    for op in ops[:top]:
+        name = op.name if len(op.name) <= 70 else op.name[:67] + "..."
+        lines.append(f"| `{name}` | {op.count / steps:.1f} | {op.total_us / steps / 1e3:.3f} |")
     return "\n".join(lines)
