@@ -25,6 +25,10 @@ def generate(args) -> None:
 
 
 def serve(args) -> None:
+    import jax
+
+    if jax.process_count() > 1:
+        raise SystemExit("serve runs on one host; a multi-host job can run generate and bench")
     try:
         from jaxmodels.serve.server import load_app, serve_forever
     except ImportError as e:
@@ -44,6 +48,9 @@ def serve(args) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from sharding import initialize_distributed
+
+    initialize_distributed()  # a multi-host job when JAX_COORDINATOR_ADDRESS says so (see sharding.mesh)
     if argv[:1] == ["bench"]:  # the benchmark parses its own options
         from jaxmodels.benchmark import main as bench
 

@@ -248,6 +248,9 @@ def profile_decode(llm, batch: int, prompt_len: int, steps: int, vocab: int, rng
         engine.step()
 
 
+FIRST_DEVICE = r"/device:\w+:0\b"  # on a mesh every device runs the same program: tables show the first one's
+
+
 def profile_phases(llm, args, phases, vocab, rng, directory: str) -> None:
     """Per-op tables of the measured phases: decode at the sweep's smallest and largest batch, and the prefill
     prompt (the engine is sized for the phases asked for, so a phase not measured is not profiled either)."""
@@ -260,7 +263,7 @@ def profile_phases(llm, args, phases, vocab, rng, directory: str) -> None:
             path = os.path.join(directory, f"decode_b{batch}")
             profile_decode(llm, batch, args.prompt_len, steps, vocab, rng, path)
             print(f"\n## profile: decode B={batch}, {steps} steady steps")
-            print(format_op_table(op_table(path), steps=steps))
+            print(format_op_table(op_table(path, FIRST_DEVICE), steps=steps))
             print(format_host_table(op_table(path, HOST), steps=steps))
     if "prefill" not in phases:
         return
@@ -268,7 +271,7 @@ def profile_phases(llm, args, phases, vocab, rng, directory: str) -> None:
     prompt = rng.integers(3, vocab, size=args.prefill_len).tolist()
     traced(path, lambda: run_engine(llm.engine, [(0.0, prompt, SamplingParams(max_new_tokens=1, temperature=0.0))]))
     print(f"\n## profile: prefill of one {args.prefill_len}-token prompt")
-    print(format_op_table(op_table(path), steps=1))
+    print(format_op_table(op_table(path, FIRST_DEVICE), steps=1))
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -297,6 +300,8 @@ def parse_args(argv, prog):
     parser.add_argument("--serve-out", type=int, default=1024)
     parser.add_argument("--arrival-rate", type=float, default=8.0, help="Poisson arrivals per second (0: skip)")
     parser.add_argument("--mamba-ssm-cache-dtype", default=None)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel groups (each its own requests)")
+    parser.add_argument("--tp", type=int, default=1, help="devices per group splitting attention heads")
     parser.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next")
     parser.add_argument("--compare-transformers", action="store_true")
     parser.add_argument("--torch-device", default="cuda")
@@ -308,7 +313,8 @@ def parse_args(argv, prog):
 
 def engine_limits(args, phases) -> dict:
     """One engine for every phase: decode buckets are the sweep's sizes and powers of two (for the serving run's
-    shrinking batches), prefill buckets a small and a full chunk."""
+    shrinking batches), per dp group (a batch of B rows is B / dp rows in each group), prefill buckets a small and
+    a full chunk (per group too)."""
     max_batch = max([*args.batches, args.serve if "serve" in phases else 1])
     sizes = {b for b in args.batches if b <= max_batch} | {max_batch}
     size = 1
@@ -320,7 +326,10 @@ def engine_limits(args, phases) -> dict:
         lengths.append(args.prefill_len + 1)
     if "serve" in phases:
         lengths.append(args.serve_in + args.serve_out)
-    return dict(max_batch_size=max_batch, max_seq_len=max(lengths) + 1, decode_sizes=sorted(sizes),
+    if max_batch % args.dp:
+        raise SystemExit(f"the largest batch ({max_batch}) must be a multiple of --dp {args.dp}")
+    return dict(max_batch_size=max_batch, max_seq_len=max(lengths) + 1,
+                decode_sizes=sorted({-(-b // args.dp) for b in sizes}),
                 prefill_sizes=sorted({min(256, args.prefill_chunk), args.prefill_chunk}))
 
 
@@ -341,7 +350,7 @@ def main(argv=None, prog: str | None = None) -> None:
     model = random_model(raw, args.dtype)
     costs = model_costs(model.config, model_params(model), args.dtype, args.mamba_ssm_cache_dtype)
     start = time.perf_counter()
-    llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, overlap=not args.no_overlap,
+    llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, overlap=not args.no_overlap, dp=args.dp, tp=args.tp,
                         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, progress=not args.no_progress,
                         **engine_limits(args, phases))
     results["compile_s"] = time.perf_counter() - start

@@ -53,9 +53,9 @@ class LLM:
         config's SSM state dtype ("bfloat16" halves the state traffic of Nemotron-H decode; float32 by default).
         The other options are the engine's (see jaxmodels.engine.engine.Engine).
         """
-        # dp x tp devices: attention projections and KV pages split by heads over tp, MLP/MoE weights over all
-        # devices (see sharding.rules). The batch itself is not yet split over dp: each dp group runs the whole
-        # batch's attention and Mamba, so dp saves weight memory but adds no attention throughput.
+        # dp x tp devices: each of the dp groups serves its own requests from its own cache pools (max_batch_size
+        # / dp each), attention heads and KV pages split over the group's tp devices; MLP / MoE weights split over
+        # all devices, their layers exchanging tokens between groups (see sharding.rules, engine.runner).
         mesh = make_mesh(dp, tp) if dp * tp > 1 else None
         path = resolve_model_path(path) if path is not None else None  # a Hub id -> its snapshot directory
         self.model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress,

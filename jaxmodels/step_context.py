@@ -45,6 +45,9 @@ class StepContext:
     has_prefix: jax.Array  # bool[S]: the sequence continues from cached state (false: its first chunk)
     prompt_lens: jax.Array  # int32[S]
     logit_rows: jax.Array  # int32[R]: the tokens whose logits the step returns
+    # The mesh axis of data-parallel groups when the step runs inside the engine's shard_map over it (each group its
+    # own requests and caches); MLP / MoE layers whose weights are split over it gather all groups' tokens.
+    dp_axis: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def is_decode(self) -> bool:
@@ -72,22 +75,24 @@ class StepContext:
         return self.prompt_lens[jnp.minimum(self.seq_ids, self.num_seqs - 1)]
 
     @classmethod
-    def extend(cls, *, positions, cu_seqlens, page_table, slot_ids, has_prefix, prompt_lens) -> "StepContext":
+    def extend(cls, *, positions, cu_seqlens, page_table, slot_ids, has_prefix, prompt_lens,
+               dp_axis: str | None = None) -> "StepContext":
         """Packed chunks; the logits returned are those of each sequence's last token."""
         num_tokens = positions.shape[0]
         return cls(kind=StepKind.EXTEND, positions=positions, seq_ids=token_sequence_ids(cu_seqlens, num_tokens),
                    cu_seqlens=cu_seqlens, page_table=_with_null_row(page_table), slot_ids=slot_ids,
                    has_prefix=has_prefix, prompt_lens=prompt_lens,
-                   logit_rows=jnp.clip(cu_seqlens[1:] - 1, 0, num_tokens - 1))
+                   logit_rows=jnp.clip(cu_seqlens[1:] - 1, 0, num_tokens - 1), dp_axis=dp_axis)
 
     @classmethod
-    def decode(cls, *, positions, page_table, slot_ids) -> "StepContext":
+    def decode(cls, *, positions, page_table, slot_ids, dp_axis: str | None = None) -> "StepContext":
         """One token per request (row b is sequence b); every row's logits are returned."""
         rows = jnp.arange(positions.shape[0], dtype=jnp.int32)
         return cls(kind=StepKind.DECODE, positions=positions, seq_ids=rows,
                    cu_seqlens=jnp.arange(positions.shape[0] + 1, dtype=jnp.int32),
                    page_table=_with_null_row(page_table), slot_ids=slot_ids, has_prefix=jnp.ones(rows.shape, bool),
-                   prompt_lens=jnp.zeros_like(positions), logit_rows=rows)  # decode reads no prompt length
+                   prompt_lens=jnp.zeros_like(positions), logit_rows=rows,  # decode reads no prompt length
+                   dp_axis=dp_axis)
 
 
 def _with_null_row(page_table):

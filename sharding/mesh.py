@@ -1,4 +1,7 @@
-"""Device meshes with the axes ("dp", "tp")."""
+"""Device meshes with the axes ("dp", "tp"), over one process's devices or, after `initialize_distributed`, over
+every process's (multi-host)."""
+
+import os
 
 import jax
 import numpy as np
@@ -14,3 +17,24 @@ def make_mesh(dp: int = 1, tp: int = 1, devices=None) -> Mesh:
         raise ValueError(f"dp*tp = {dp * tp} devices requested, only {len(devices)} available "
                          f"({devices[0].platform}); on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N")
     return Mesh(np.array(devices[: dp * tp]).reshape(dp, tp), ("dp", "tp"))
+
+
+def initialize_distributed() -> bool:
+    """Join a multi-process JAX job when the environment describes one, so that `jax.devices()` (and the meshes
+    made from it) span every host. Call it first thing, before anything touches a device.
+
+    The environment: JAX_COORDINATOR_ADDRESS (host:port of process 0), plus JAX_NUM_PROCESSES and JAX_PROCESS_ID
+    unless jax detects the cluster itself (SLURM, Open MPI, ...). Every process then runs the same program on the
+    same requests (the engine's scheduling is deterministic), and each feeds and reads its own devices' shards.
+    Returns whether a job was joined.
+    """
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not address:
+        return False
+    options = {}
+    if "JAX_NUM_PROCESSES" in os.environ:
+        options["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
+    if "JAX_PROCESS_ID" in os.environ:
+        options["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+    jax.distributed.initialize(address, **options)
+    return True

@@ -70,8 +70,9 @@ def spec_for(path: str, shape: tuple[int, ...], mesh) -> P:
 
 # Logical axes of the serving caches -> mesh axes. Each cache class declares its fields' logical axes beside its
 # definition (`AXES` of KVCache, MambaCache, MLACache): KV pages split by heads like the projections that fill them;
-# pages and Mamba state slots stay whole on every device of a group.
-CACHE_AXIS_RULES = {"kv_head": "tp", "page": None, "slot": None, None: None}
+# the pools of pages and Mamba state slots split over the data-parallel groups, each group owning its own (the
+# engine stacks the groups' pools on that axis).
+CACHE_AXIS_RULES = {"kv_head": "tp", "page": "dp", "slot": "dp", None: None}
 
 
 def _cache_mesh_axes(cache_type, field: str) -> tuple:

@@ -13,13 +13,11 @@ import logging
 import random
 import time
 
-import numpy as np
-
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
 from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within
 from jaxmodels.engine.request import Request, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
-from jaxmodels.engine.scheduler import Scheduler
+from jaxmodels.engine.scheduler import GroupedScheduler
 from jaxmodels.engine.step import ModelStep
 from jaxmodels.step_context import StepKind
 
@@ -33,8 +31,9 @@ class InvalidRequest(ValueError):
 @dataclasses.dataclass
 class _InFlight:
     kind: StepKind
-    work: list  # the scheduler's chunks or requests
-    tokens: object  # device array of the sampled tokens, not yet read
+    works: list  # per dp group, the scheduler's chunks or requests ([] for an idle group)
+    tokens: object  # device array of the sampled tokens, not yet read: rows_per_group rows per group
+    rows_per_group: int
 
 
 @dataclasses.dataclass
@@ -69,33 +68,40 @@ class Engine:
         """
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        dp = mesh.shape["dp"] if mesh is not None else 1
+        if max_batch_size % dp:
+            raise ValueError(f"max_batch_size={max_batch_size} must be a multiple of dp={dp}: each data-parallel "
+                             "group serves max_batch_size / dp requests")
+        group_batch = max_batch_size // dp
         self.config = model.config
         self.max_seq_len = max_seq_len
         self.overlap = overlap
         prefill_sizes = sorted(prefill_sizes or prefill_buckets(max_prefill_tokens or min(max_seq_len, 1024)))
-        decode_sizes = sorted(decode_sizes or decode_buckets(max_batch_size))
-        if decode_sizes[-1] != max_batch_size:
-            raise ValueError(f"the largest decode bucket must be max_batch_size={max_batch_size}: {decode_sizes}")
+        decode_sizes = sorted(decode_sizes or decode_buckets(group_batch))
+        if decode_sizes[-1] != group_batch:
+            raise ValueError(f"the largest decode bucket must be max_batch_size / dp = {group_batch}: {decode_sizes}")
         max_prefill_tokens = prefill_sizes[-1]
         step = ModelStep(model, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, matmul_precision=matmul_precision)
-        self.sizes = PoolSizes.from_limits(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+        # Pools per dp group: each group's slice of the (dp-split) caches is a whole pool with its null page / slot.
+        self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=max_seq_len,
                                            page_size=page_size, num_pages=num_pages)
         if num_pages is None and memory_fraction is not None:
             if not 0 < memory_fraction < 1:
                 raise ValueError(f"memory_fraction must be in (0, 1), got {memory_fraction}")
             devices = list(mesh.devices.flat) if mesh is not None else None
-            # Sized as if every cache were whole on each device: safe, if low, where KV pages split over tp.
+            # A device holds its group's pools; sized as if they were whole on it: safe, if low, where KV pages
+            # split over tp.
             budget = int(memory_fraction * free_device_memory(devices))
             pages = pages_within(budget, step.cache_shapes, self.sizes)
-            self.sizes = PoolSizes.from_limits(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+            self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=max_seq_len,
                                                page_size=page_size, num_pages=pages)
-        log.info("engine limits: max_batch_size=%d max_seq_len=%d max_prefill_tokens=%d; pools: %d KV pages of %d "
-                 "tokens (page 0 null), %d state slots (slot 0 null)", max_batch_size, max_seq_len,
-                 max_prefill_tokens, self.sizes.num_pages, page_size, self.sizes.num_slots)
-        self.scheduler = Scheduler(self.sizes, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
-                                   max_seq_len=max_seq_len)
-        self.runner = Runner(step, self.sizes, decode_sizes=decode_sizes,
-                             prefill_sizes=prefill_sizes, max_seqs_per_extend=max_batch_size, mesh=mesh)
+        log.info("engine limits: max_batch_size=%d max_seq_len=%d max_prefill_tokens=%d; pools of each of %d dp "
+                 "group(s): %d KV pages of %d tokens (page 0 null), %d state slots (slot 0 null)", max_batch_size,
+                 max_seq_len, max_prefill_tokens, dp, self.sizes.num_pages, page_size, self.sizes.num_slots)
+        self.scheduler = GroupedScheduler(self.sizes, dp, max_batch_size=group_batch,
+                                          max_prefill_tokens=max_prefill_tokens, max_seq_len=max_seq_len)
+        self.runner = Runner(step, self.sizes, decode_sizes=decode_sizes, prefill_sizes=prefill_sizes,
+                             max_seqs_per_extend=group_batch, mesh=mesh)
         if warmup:
             self.runner.warmup(progress)
         self.eos_ids = frozenset(self.config.eos_token_id)
@@ -103,8 +109,8 @@ class Engine:
         self._seeds = random.Random(0)
         self._live: dict[int, Request] = {}  # unfinished requests by id
         self._aborts: set[int] = set()
-        self._inflight: _InFlight | None = None
-        self.last_launch: tuple[StepKind, int] | None = None  # (kind, rows) of the step the last step() sent
+        self._inflight: list[_InFlight] = []
+        self.last_launch: tuple[StepKind, int] | None = None  # (kind, rows) of the last step the last step() sent
         self.times = StepTimes()
 
     def add_request(self, prompt, params: SamplingParams) -> Request:
@@ -127,7 +133,7 @@ class Engine:
         self._aborts.add(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None or bool(self._aborts)
+        return self.scheduler.has_work() or bool(self._inflight) or bool(self._aborts)
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that received a token (or finished) in it.
@@ -136,25 +142,25 @@ class Engine:
         """
         start = time.perf_counter()
         updated = self._apply_aborts()
-        work = self.scheduler.schedule(can_preempt=self._inflight is None)
-        if work is None and self._inflight is not None:
+        if self.scheduler.blocked and self._inflight:
+            updated += self._collect()  # a group waits to preempt, which needs every token on the host
+        steps = self.scheduler.schedule(can_preempt=not self._inflight)
+        if not steps and self._inflight:
             # Nothing can run until the tokens in flight are known (or running would need a preemption, which
-            # recomputes a request from its tokens): settle the step in flight, then decide.
+            # recomputes a request from its tokens): settle the steps in flight, then decide.
             updated += self._collect()
-            work = self.scheduler.schedule()
-        if work is None and self.scheduler.has_work():
+            steps = self.scheduler.schedule()
+        if not steps and self.scheduler.has_work():
             raise RuntimeError("scheduler stalled with work left and nothing in flight; the pool is too small")
-        launched = None
-        if work is not None:
-            kind, items = work
-            launch = self.runner.launch_extend if kind is StepKind.EXTEND else self.runner.launch_decode
-            launched = _InFlight(kind, items, launch(items, self.scheduler.slots))
-            self._count(kind, items)
-        self.last_launch = (work[0], len(work[1])) if work is not None else None
-        if self._inflight is not None:
-            updated += self._collect()  # waits for the previous step; the one just sent is queued behind it
+        launched = []
+        for kind, works in steps:
+            tokens, rows = self.runner.launch(kind, works, self.scheduler.tables())
+            launched.append(_InFlight(kind, works, tokens, rows))
+            self._count(kind, works)
+        self.last_launch = (steps[-1][0], sum(map(len, steps[-1][1]))) if steps else None
+        updated += self._collect()  # waits for the previous steps; the ones just sent are queued behind them
         self._inflight = launched
-        if not self.overlap and self._inflight is not None:
+        if not self.overlap:
             updated += self._collect()
         for request in updated:
             if request.finished:
@@ -172,22 +178,25 @@ class Engine:
         return aborted
 
     def _collect(self) -> list[Request]:
-        inflight, self._inflight = self._inflight, None
-        start = time.perf_counter()
-        sampled = np.asarray(inflight.tokens)
-        self.times.wait_s += time.perf_counter() - start
-        finish = self.scheduler.finish_extend if inflight.kind is StepKind.EXTEND else self.scheduler.finish_decode
-        got = finish(inflight.work, sampled[: len(inflight.work)].tolist())
+        inflight, self._inflight = self._inflight, []
+        got = []
+        for step in inflight:
+            start = time.perf_counter()
+            sampled = self.runner.read(step.tokens)
+            self.times.wait_s += time.perf_counter() - start
+            rows = step.rows_per_group
+            per_group = [sampled[g * rows: g * rows + len(work)].tolist() for g, work in enumerate(step.works)]
+            got += self.scheduler.finish(step.kind, step.works, per_group)
         self.times.generated_tokens += len(got)
         return got
 
-    def _count(self, kind: StepKind, items) -> None:
+    def _count(self, kind: StepKind, works) -> None:
         self.times.steps += 1
         if kind is StepKind.EXTEND:
             self.times.extend_steps += 1
         else:
             self.times.decode_steps += 1
-            self.times.decode_rows += len(items)
+            self.times.decode_rows += sum(map(len, works))
 
     def metrics(self) -> dict:
         """Counters since start (or since `reset_metrics`), and the pools' state now.
@@ -197,16 +206,18 @@ class Engine:
         is that it stays below the device's step time. wall_s_per_step: time per step as the caller sees it; with
         overlap and host time below device time, that is the device's step time.
         """
-        t, s = self.times, self.scheduler
+        t, counts = self.times, self.scheduler.counts()
         steps = max(t.steps, 1)
         host = t.wall_s - t.wait_s
+        groups = len(self.scheduler.groups)
+        pages, slots = groups * (self.sizes.num_pages - 1), groups * (self.sizes.num_slots - 1)
         return dict(
-            running=len(s.running), waiting=len(s.waiting), steps=t.steps, extend_steps=t.extend_steps,
+            running=counts["running"], waiting=counts["waiting"], steps=t.steps, extend_steps=t.extend_steps,
             decode_steps=t.decode_steps, mean_decode_batch=t.decode_rows / max(t.decode_steps, 1),
             generated_tokens=t.generated_tokens, host_s_per_step=host / steps, wall_s_per_step=t.wall_s / steps,
-            host_fraction=host / t.wall_s if t.wall_s else 0.0, preemptions=s.num_preemptions,
-            kv_pages_used=self.sizes.num_pages - 1 - len(s.free_pages), kv_pages_total=self.sizes.num_pages - 1,
-            slots_used=self.sizes.num_slots - 1 - len(s.free_slots), slots_total=self.sizes.num_slots - 1)
+            host_fraction=host / t.wall_s if t.wall_s else 0.0, preemptions=self.scheduler.num_preemptions,
+            kv_pages_used=pages - counts["free_pages"], kv_pages_total=pages,
+            slots_used=slots - counts["free_slots"], slots_total=slots)
 
     def reset_metrics(self) -> None:
         self.times = StepTimes()

@@ -7,6 +7,12 @@ A step is two executables sent back to back: the model's forward for the bucket 
 sampler (-> tokens, each stored at its request's slot in `last_tokens`, where the next decode reads its input).
 The host picks the sampler, greedy or full, from the batch (see sampler.py): the step programs hold no XLA control
 flow, which on the GPU would make the launching thread wait for the device.
+
+On a ("dp", "tp") mesh both executables run inside a `shard_map` that is manual over "dp" (and leaves "tp" to the
+compiler): each dp group of devices holds its own slice of the caches' pools, of `last_tokens` and of the batch,
+which are whole single-group pools and batches with group-local slot and page ids, so the model's layers run as on
+one device. Only MLP / MoE layers, whose weights are split over all devices, exchange tokens between groups (see
+jaxmodels.layers.group_parallel). Every group runs the same bucket; an idle group runs padding rows.
 """
 
 import concurrent.futures
@@ -16,6 +22,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmodels.engine import sampler
 from jaxmodels.engine.batch import decode_batch, extend_batch
@@ -29,7 +37,10 @@ log = logging.getLogger("jaxmodels.engine")
 SAMPLERS = ("greedy", "sample")
 
 
-def _forward_fn(step, kind: StepKind, param_names: list[str]):
+DP = "dp"
+
+
+def _forward_fn(step, kind: StepKind, param_names: list[str], dp_axis: str | None):
     """The forward executable of `kind`: logits of each sequence's (extend) or row's (decode) last token. A decode
     row's input is the token its slot sampled last, so the host never sends it (and may send this step before the
     previous step's tokens have come back).
@@ -41,8 +52,8 @@ def _forward_fn(step, kind: StepKind, param_names: list[str]):
     def run(param_values, caches, last_tokens, batch):
         params = dict(zip(param_names, param_values))
         if kind is StepKind.EXTEND:
-            return step.extend(params, caches, batch)
-        return step.decode(params, caches, batch, last_tokens[batch.slot_ids])
+            return step.extend(params, caches, batch, dp_axis)
+        return step.decode(params, caches, batch, last_tokens[batch.slot_ids], dp_axis)
 
     return run
 
@@ -58,50 +69,97 @@ def _sampler_fn(mode: str):
     return run
 
 
+def _group_axis_only(spec: PartitionSpec) -> PartitionSpec:
+    """The part of a full mesh PartitionSpec that a shard_map manual over "dp" states: per dimension, "dp" where
+    the dimension is split over it (alone or first, as in ("dp", "tp")), else None; "tp" stays the compiler's."""
+    def keep(axes):
+        names = axes if isinstance(axes, tuple) else (axes,)
+        return DP if names and names[0] == DP else None
+
+    return PartitionSpec(*(keep(axes) for axes in spec))
+
+
+def _by_groups(shapes: list, dp: int) -> list:
+    """Per-layer cache shapes of one group's pools -> those of `dp` groups' pools stacked on the pool axis (the
+    leading one of every cache array: pages or slots)."""
+    def stacked(s):
+        return jax.ShapeDtypeStruct((dp * s.shape[0], *s.shape[1:]), s.dtype)
+
+    return jax.tree.map(stacked, shapes)
+
+
+def _concat_groups(parts: list):
+    """[(batch, knobs)] of each group -> one (batch, knobs) with the groups' rows back to back."""
+    if len(parts) == 1:
+        return parts[0]
+    return jax.tree.map(lambda *arrays: np.concatenate(arrays), *parts)
+
+
 class Runner:
     def __init__(self, step, sizes, *, decode_sizes, prefill_sizes, max_seqs_per_extend: int, mesh=None):
-        """With a `mesh`, params and caches are sharded by `sharding`'s rules and the executables keep the caches'
-        shardings from step to step (the batch metadata and sampled tokens are replicated)."""
+        """`sizes` are one dp group's pools. With a `mesh`, params and caches are sharded by `sharding`'s rules
+        (cache pools over "dp") and the executables keep the caches' shardings from step to step."""
         self.step, self.sizes = step, sizes
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs = max_seqs_per_extend
-        cache_shapes = step.cache_shapes(sizes)
-        forward_options = {"donate_argnums": 1}
-        sampler_options = {"donate_argnums": 1}
+        self.dp = mesh.shape[DP] if mesh is not None else 1
+        cache_shapes = _by_groups(step.cache_shapes(sizes), self.dp)
         self.param_names = list(step.params)
+        self.last_tokens = jnp.zeros((self.dp * sizes.num_slots,), jnp.int32)
+        self._to_devices = lambda tree: tree  # numpy batches go to the executables as they are
         if mesh is None:
             self.params = [step.params[name] for name in self.param_names]
             self.caches = allocate_caches(cache_shapes)
+            self._forward = {kind: jax.jit(_forward_fn(step, kind, self.param_names, None), donate_argnums=1)
+                             for kind in StepKind}
+            self._samplers = {mode: jax.jit(_sampler_fn(mode), donate_argnums=1) for mode in SAMPLERS}
         else:
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            from sharding import cache_partition_specs, shard_params
-
-            sharded = shard_params(step.params, mesh)
-            self.params = [sharded[name] for name in self.param_names]
-            cache_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                                           cache_partition_specs(cache_shapes, mesh),
-                                           is_leaf=lambda x: isinstance(x, PartitionSpec))
-            self.caches = allocate_caches(cache_shapes, cache_shardings)
-            # Pinning the caches' output shardings keeps every step's inputs on the layout it was compiled for.
-            replicated = NamedSharding(mesh, PartitionSpec())
-            forward_options["out_shardings"] = (replicated, cache_shardings)
-            sampler_options["out_shardings"] = (replicated, replicated)
-        self.last_tokens = jnp.zeros((sizes.num_slots,), jnp.int32)
-        if mesh is not None:
-            self.last_tokens = jax.device_put(self.last_tokens, replicated)
-        self._forward = {kind: jax.jit(_forward_fn(step, kind, self.param_names), **forward_options)
-                         for kind in StepKind}
-        self._samplers = {mode: jax.jit(_sampler_fn(mode), **sampler_options) for mode in SAMPLERS}
+            self._shard_over(mesh, cache_shapes)
         # Compiled executables: (StepKind, bucket) -> forward; (rows, sampler mode) -> sampler.
         self._compiled: dict[tuple, object] = {}
         self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
+    def _shard_over(self, mesh, cache_shapes) -> None:
+        from sharding import cache_partition_specs, param_partition_specs
+
+        def shardings(specs):
+            return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                                is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+        param_specs = param_partition_specs(self.step.params, mesh)
+        self.params = [jax.device_put(self.step.params[name], NamedSharding(mesh, param_specs[name]))
+                       for name in self.param_names]
+        cache_specs = cache_partition_specs(cache_shapes, mesh)
+        cache_shardings = shardings(cache_specs)
+        self.caches = allocate_caches(cache_shapes, cache_shardings)
+        by_group = NamedSharding(mesh, PartitionSpec(DP))
+        self.last_tokens = jax.device_put(self.last_tokens, by_group)
+        if jax.process_count() > 1:  # each process feeds its own devices' rows of the host's batch
+            self._to_devices = lambda tree: jax.tree.map(
+                lambda a: jax.make_array_from_callback(a.shape, by_group, lambda index: a[index]), tree)
+        group_specs = jax.tree.map(_group_axis_only, cache_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        rows = PartitionSpec(DP)
+        forward_specs = dict(in_specs=([_group_axis_only(param_specs[name]) for name in self.param_names],
+                                       group_specs, rows, rows), out_specs=(rows, group_specs))
+        self._forward = {
+            kind: jax.jit(jax.shard_map(_forward_fn(self.step, kind, self.param_names, DP), mesh=mesh,
+                                        axis_names=frozenset({DP}), check_vma=False, **forward_specs),
+                          donate_argnums=1, out_shardings=(by_group, cache_shardings))
+            for kind in StepKind}
+        # Pinning the caches' output shardings keeps every step's inputs on the layout it was compiled for.
+        self._samplers = {
+            mode: jax.jit(jax.shard_map(_sampler_fn(mode), mesh=mesh, in_specs=(rows, rows, rows),
+                                        out_specs=(rows, rows), axis_names=frozenset({DP}), check_vma=False),
+                          donate_argnums=1, out_shardings=(by_group, by_group))
+            for mode in SAMPLERS}
+
     def _example(self, kind, n):
-        """An all-padding (batch, sampling knobs) of bucket n."""
+        """An all-padding (batch, sampling knobs) of bucket n for every group."""
         if kind == StepKind.EXTEND:
-            return extend_batch([], n, self.max_seqs, self._example_tables)
-        return decode_batch([], n, self._example_tables)
+            part = extend_batch([], n, self.max_seqs, self._example_tables)
+        else:
+            part = decode_batch([], n, self._example_tables)
+        return _concat_groups([part] * self.dp)
 
     def _jobs(self) -> list[tuple]:
         forwards = ([(StepKind.EXTEND, n) for n in self.prefill_sizes]
@@ -134,7 +192,7 @@ class Runner:
         if first in (StepKind.EXTEND, StepKind.DECODE):
             batch, _ = self._example(first, second)
             return self._forward[first].lower(self.params, self.caches, self.last_tokens, batch)
-        logits = jax.ShapeDtypeStruct((first, self.step.config.vocab_size), jnp.float32)
+        logits = jax.ShapeDtypeStruct((self.dp * first, self.step.config.vocab_size), jnp.float32)
         _, knobs = self._example(StepKind.DECODE, first)
         return self._samplers[second].lower(logits, self.last_tokens, knobs)
 
@@ -146,15 +204,31 @@ class Runner:
     def _run(self, kind, n, batch, knobs):
         """Send one step (forward, then sampler) to the device; returns its sampled tokens as a device array, not
         waited for."""
+        batch, knobs = self._to_devices((batch, knobs))
         logits, self.caches = self._executable((kind, n))(self.params, self.caches, self.last_tokens, batch)
         mode = "greedy" if knobs.greedy else "sample"
-        tokens, self.last_tokens = self._executable((logits.shape[0], mode))(logits, self.last_tokens, knobs)
+        tokens, self.last_tokens = self._executable((logits.shape[0] // self.dp, mode))(logits, self.last_tokens, knobs)
         return tokens
 
-    def launch_extend(self, chunks, tables):
-        n = bucket_for(self.prefill_sizes, sum(chunk.length for chunk in chunks))
-        return self._run(StepKind.EXTEND, n, *extend_batch(chunks, n, self.max_seqs, tables))
+    @staticmethod
+    def read(tokens) -> np.ndarray:
+        """A step's sampled tokens on the host (waits for them); from every process's devices in a multi-process
+        job."""
+        if tokens.is_fully_addressable:
+            return np.asarray(tokens)
+        from jax.experimental import multihost_utils
 
-    def launch_decode(self, requests, tables):
-        n = bucket_for(self.decode_sizes, len(requests))
-        return self._run(StepKind.DECODE, n, *decode_batch(requests, n, tables))
+        return np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
+
+    def launch(self, kind: StepKind, works: list, tables: list) -> tuple[object, int]:
+        """Send one step of every dp group's work (works[g]: group g's chunks or requests, [] when idle; tables[g]
+        its slot tables) -> (the sampled tokens as a device array, not waited for; rows per group in it)."""
+        if kind is StepKind.EXTEND:
+            n = bucket_for(self.prefill_sizes, max(sum(chunk.length for chunk in chunks) for chunks in works))
+            parts = [extend_batch(chunks, n, self.max_seqs, t) for chunks, t in zip(works, tables)]
+            rows = self.max_seqs
+        else:
+            n = bucket_for(self.decode_sizes, max(map(len, works)))
+            parts = [decode_batch(requests, n, t) for requests, t in zip(works, tables)]
+            rows = n
+        return self._run(kind, n, *_concat_groups(parts)), rows

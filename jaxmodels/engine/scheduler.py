@@ -76,6 +76,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # by request id, in admission order: the last is preempted first
         self.num_preemptions = 0
+        self.blocked = False  # the last schedule() returned None because it needed a preemption it was not allowed
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -83,16 +84,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
     def schedule(self, can_preempt: bool = True):
         """(StepKind.EXTEND, [Chunk]) or (StepKind.DECODE, [Request]); None when nothing can run now (every
         running request waits for tokens in flight) or, with can_preempt=False, when running would need a
-        preemption."""
+        preemption (then `blocked` is set)."""
+        self.blocked = False
         while True:
             chunks = self._extend_chunks()
             if chunks:
                 return StepKind.EXTEND, chunks
             batch = self._decode_batch(can_preempt)
             if batch is None:
+                self.blocked = True
                 return None
             if batch:
                 return StepKind.DECODE, batch
@@ -100,6 +106,7 @@ class Scheduler:
                 return None  # only decoding requests that are finishing: their tokens are in flight
             # Only partial prefills hold the pool and none can grow: give back the newest one's pages.
             if not can_preempt:
+                self.blocked = True
                 return None
             self._preempt(self._newest())
 
@@ -230,3 +237,69 @@ class Scheduler:
         if reason is not None:
             self._release(request)
             self._finish(request, reason)
+
+
+class GroupedScheduler:
+    """One `Scheduler` per data-parallel group, stepping together.
+
+    Each group has its own requests, state slots and KV pages (the engine's pools are split over the `dp` mesh
+    axis); a request joins the group with the fewest requests and stays there. One device step serves every group
+    with the same executable, so a step has one kind for all groups: `schedule` returns one step per kind that some
+    group scheduled (an extend step with the decoding groups idle, then a decode step with the prefilling groups
+    idle), each as a list of per-group work with [] for an idle group. With one group this is the plain scheduler.
+    """
+
+    def __init__(self, sizes: PoolSizes, dp: int, **limits):
+        self.groups = [Scheduler(sizes, **limits) for _ in range(dp)]
+        self._group_of: dict[int, int] = {}  # request id -> group
+
+    def add(self, request: Request) -> None:
+        group = min(range(len(self.groups)), key=lambda g: self.groups[g].load())
+        self._group_of[request.request_id] = group
+        self.groups[group].add(request)
+
+    def has_work(self) -> bool:
+        return any(group.has_work() for group in self.groups)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(group.num_preemptions for group in self.groups)
+
+    @property
+    def blocked(self) -> bool:
+        """Some group waits for a preemption, which needs every token in flight on the host first."""
+        return any(group.blocked for group in self.groups)
+
+    def schedule(self, can_preempt: bool = True) -> list[tuple[StepKind, list]]:
+        steps: dict[StepKind, list] = {}
+        for g, group in enumerate(self.groups):
+            work = group.schedule(can_preempt)
+            if work is not None:
+                kind, items = work
+                steps.setdefault(kind, [[] for _ in self.groups])[g] = items
+        return [(kind, steps[kind]) for kind in (StepKind.EXTEND, StepKind.DECODE) if kind in steps]
+
+    def finish(self, kind: StepKind, works: list, sampled: list) -> list[Request]:
+        """Account for a step's tokens: sampled[g] (python ints) are group g's, in its work's order."""
+        got = []
+        for group, work, tokens in zip(self.groups, works, sampled):
+            finish = group.finish_extend if kind is StepKind.EXTEND else group.finish_decode
+            got += finish(work, tokens)
+        for request in got:
+            if request.finished:
+                del self._group_of[request.request_id]
+        return got
+
+    def abort(self, request: Request) -> bool:
+        group = self._group_of.pop(request.request_id, None)
+        return group is not None and self.groups[group].abort(request)
+
+    def tables(self) -> list[SlotTables]:
+        return [group.slots for group in self.groups]
+
+    def counts(self) -> dict:
+        """Requests and pool use summed over the groups."""
+        groups = self.groups
+        return dict(running=sum(len(g.running) for g in groups), waiting=sum(len(g.waiting) for g in groups),
+                    free_pages=sum(len(g.free_pages) for g in groups),
+                    free_slots=sum(len(g.free_slots) for g in groups))

@@ -37,13 +37,16 @@ class ModelStep:
         model.matmul_precision = self.matmul_precision
         return model
 
-    def extend(self, params, caches, batch: ExtendBatch):
-        """Packed chunks of prompts -> (logits of each sequence's last token [S, V], caches)."""
+    def extend(self, params, caches, batch: ExtendBatch, dp_axis: str | None = None):
+        """Packed chunks of prompts -> (logits of each sequence's last token [S, V], caches). `dp_axis`: the mesh
+        axis of the data-parallel groups when the step runs inside the engine's shard_map over it."""
         step = StepContext.extend(positions=batch.positions, cu_seqlens=batch.cu_seqlens, page_table=batch.page_table,
-                                  slot_ids=batch.slot_ids, has_prefix=batch.has_prefix, prompt_lens=batch.prompt_lens)
+                                  slot_ids=batch.slot_ids, has_prefix=batch.has_prefix, prompt_lens=batch.prompt_lens,
+                                  dp_axis=dp_axis)
         return self._model(params)(batch.tokens, step, caches)
 
-    def decode(self, params, caches, batch: DecodeBatch, tokens):
+    def decode(self, params, caches, batch: DecodeBatch, tokens, dp_axis: str | None = None):
         """One token per row, tokens[B] -> (logits [B, V], caches)."""
-        step = StepContext.decode(positions=batch.positions, page_table=batch.page_table, slot_ids=batch.slot_ids)
+        step = StepContext.decode(positions=batch.positions, page_table=batch.page_table, slot_ids=batch.slot_ids,
+                                  dp_axis=dp_axis)
         return self._model(params)(tokens, step, caches)

@@ -4,7 +4,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmodels.layers.group_parallel import across_groups
 from jaxmodels.layers.linear import ACTIVATIONS, linear
+
+
+def _split_intermediate(module, intermediate_size: int) -> bool:
+    """Whether this group holds a slice of the intermediate dimension (see group_parallel). A slice's output is a
+    partial sum only without an output bias, which every group would add again."""
+    split = module.down_proj.kernel.shape[0] < intermediate_size
+    if split and module.down_proj.bias is not None:
+        raise NotImplementedError("an MLP with biases cannot be split over dp groups; use tp")
+    return split
 
 
 class MLP(nnx.Module):
@@ -14,10 +24,16 @@ class MLP(nnx.Module):
                  bias: bool = False, activation: str = "relu2"):
         self.up_proj = linear(hidden_size, intermediate_size, rngs=rngs, bias=bias, dtype=dtype)
         self.down_proj = linear(intermediate_size, hidden_size, rngs=rngs, bias=bias, dtype=dtype)
-        self.activation = activation
+        self.activation, self.intermediate_size = activation, intermediate_size
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return self.down_proj(ACTIVATIONS[self.activation](self.up_proj(x)))
+
+    def is_split(self) -> bool:
+        return _split_intermediate(self, self.intermediate_size)
+
+    def __call__(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
+        return across_groups(x, dp_axis, [(self.forward, self.is_split())])
 
 
 class GatedMLP(nnx.Module):
@@ -28,7 +44,13 @@ class GatedMLP(nnx.Module):
         self.gate_proj = linear(hidden_size, intermediate_size, rngs=rngs, bias=bias, dtype=dtype)
         self.up_proj = linear(hidden_size, intermediate_size, rngs=rngs, bias=bias, dtype=dtype)
         self.down_proj = linear(intermediate_size, hidden_size, rngs=rngs, bias=bias, dtype=dtype)
-        self.activation = activation
+        self.activation, self.intermediate_size = activation, intermediate_size
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
+
+    def is_split(self) -> bool:
+        return _split_intermediate(self, self.intermediate_size)
+
+    def __call__(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
+        return across_groups(x, dp_axis, [(self.forward, self.is_split())])

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from jaxmodels.layers.group_parallel import across_groups
 from jaxmodels.layers.linear import ACTIVATIONS, linear
 from jaxmodels.layers.mlp import MLP
 
@@ -71,15 +72,32 @@ class RoutedExperts(nnx.Module):
                  activation: str = "relu2", gated: bool = False):
         init = nnx.initializers.normal(0.02)
         self.num_experts, self.activation, self.gated = num_experts, activation, gated
+        self.intermediate = intermediate
         if gated:
             self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, in_dim, intermediate), dtype))
         self.up_proj = nnx.Param(init(rngs.params(), (num_experts, in_dim, intermediate), dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (num_experts, intermediate, in_dim), dtype))
 
-    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """x[N,D], routing weights/experts [N,k] -> sum over the k experts of weight * expert(x), [N,D]."""
+    def held_experts(self) -> int:
+        """How many experts this group holds: all of them, or its slice when the experts are split over dp groups
+        (see group_parallel)."""
+        return self.up_proj.shape[0]
+
+    def is_split(self) -> bool:
+        return self.held_experts() < self.num_experts or self.up_proj.shape[2] < self.intermediate
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, first_expert=0) -> jax.Array:
+        """x[N,D], routing weights/experts [N,k] -> sum over the k experts of weight * expert(x), [N,D].
+
+        With a slice of the experts (first_expert .. first_expert + held_experts() - 1), the sum covers those only:
+        the other choices sort into one extra group past the held ones, whose rows the grouped matmul leaves zero.
+        """
         num_tokens, top_k = experts.shape
-        order, group_sizes = sort_by_expert(experts, self.num_experts)
+        held = self.held_experts()
+        local = experts - first_expert
+        local = jnp.where((local >= 0) & (local < held), local, held)
+        order, group_sizes = sort_by_expert(local, held + 1)
+        group_sizes = group_sizes[:held]
         token_of_row = order // top_k
         rows = x[token_of_row]
         hidden = pallas_kernels.grouped_matmul(rows, self.up_proj[...], group_sizes)
@@ -123,12 +141,20 @@ class MoE(nnx.Module):
             topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
             routed_scaling_factor=self.routed_scaling_factor, excluded_group_score=self.excluded_group_score)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def routed(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
+        """The routed experts' sum for tokens x[..., D] (this group's slice of the experts when they are split)."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts = self.route(tokens)
+        first_expert = 0
+        if dp_axis is not None and self.experts.held_experts() < self.experts.num_experts:
+            first_expert = jax.lax.axis_index(dp_axis) * self.experts.held_experts()
         routed_in = self.fc1_latent_proj(tokens) if self.latent_size is not None else tokens
-        routed = self.experts(routed_in, weights, experts)
+        routed = self.experts(routed_in, weights, experts, first_expert)
         if self.latent_size is not None:
-            routed = self.fc2_latent_proj(routed)
-        return routed.reshape(shape) + self.shared_experts(x)
+            routed = self.fc2_latent_proj(routed)  # linear without bias: a partial sum stays one
+        return routed.reshape(shape)
+
+    def __call__(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
+        return across_groups(x, dp_axis, [(lambda t: self.routed(t, dp_axis), self.experts.is_split()),
+                                          (self.shared_experts.forward, self.shared_experts.is_split())])

@@ -57,7 +57,8 @@ class DeepseekV32DecoderLayer(nnx.Module):
         else:
             attn, indices, cache = self.self_attn(x, cos, sin, indices, step=step, cache=cache)
         hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), indices, cache
+        dp_axis = step.dp_axis if step is not None else None
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), dp_axis), indices, cache
 
 
 class DeepseekV32ForCausalLM(CausalLM):

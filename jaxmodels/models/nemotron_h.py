@@ -59,6 +59,8 @@ class NemotronHBlock(nnx.Module):
         x = self.norm(hidden)
         if step is not None and self.kind in CACHED_KINDS:
             x, cache = self.mixer(x, step, cache)
+        elif step is not None:
+            x = self.mixer(x, step.dp_axis)  # MLP / MoE: their weights may be split over the step's dp groups
         else:
             x = self.mixer(x)
         return hidden + x, cache

@@ -172,7 +172,7 @@ def test_preemption_completes_every_request(tmp_path):
         expected = hf_greedy(hf_model, prompt, 15)
         assert out.token_ids[: len(expected)] == expected
     # Everything given back: all pages and slots free again.
-    scheduler = llm.engine.scheduler
+    (scheduler,) = llm.engine.scheduler.groups  # one dp group
     assert len(scheduler.free_pages) == 8 and len(scheduler.free_slots) == 4 and not scheduler.has_work()
 
 

@@ -1,4 +1,8 @@
-"""Run in a subprocess with 8 simulated CPU devices: LLM with dp x tp > 1 serves the tokens of the 1-device LLM."""
+"""Run in a subprocess with 8 simulated CPU devices: LLM with dp x tp > 1 serves the tokens of the 1-device LLM.
+
+Each dp group serves its own requests from its own slice of the cache pools (DP attention); MLP and MoE weights are
+split over all devices. Four prompts on up to eight groups leave some groups idle.
+"""
 
 import sys
 
@@ -7,35 +11,57 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxmodels
+from jaxmodels.step_context import StepKind
 from tests.hf_models import make_dsa, make_nemotron_h, save
 
-LIMITS = dict(max_batch_size=4, max_seq_len=64, max_prefill_tokens=8, progress=False)
+LIMITS = dict(max_batch_size=8, max_seq_len=64, max_prefill_tokens=8, progress=False)
+MESHES = ((2, 1), (2, 2), (4, 2), (8, 1), (1, 2))
 
 
 def serve(path, prompts, **mesh):
     llm = jaxmodels.LLM(path, dtype="float32", **LIMITS, **mesh)
+    compiled = len(llm.engine.runner._compiled)
     greedy = llm.generate(prompts, jaxmodels.SamplingParams(max_new_tokens=8, temperature=0.0))
     sampled = llm.generate(prompts, jaxmodels.SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3))
+    assert len(llm.engine.runner._compiled) == compiled, "an executable was compiled after warm-up"
     return llm, [o.token_ids for o in greedy], [o.token_ids for o in sampled]
+
+
+def check_compiled_layout(llm, dp: int, tp: int) -> None:
+    """The decode executable's input shardings: cache pools split over dp (each device holds 1/dp of every pool),
+    KV heads over tp, routed experts over all devices."""
+    runner = llm.engine.runner
+    decode = runner._compiled[(StepKind.DECODE, runner.decode_sizes[-1])]
+    params_in, caches_in = decode.input_shardings[0][:2]
+    for cache, shardings in zip(runner.caches, caches_in):
+        if cache is None:
+            continue
+        for name in ("ssm", "k"):
+            if getattr(cache, name, None) is None:
+                continue
+            array, sharding = getattr(cache, name), getattr(shardings, name)
+            assert sharding.spec[0] == "dp", (name, sharding.spec)
+            assert sharding.shard_shape(array.shape)[0] == array.shape[0] // dp, (name, sharding.spec)
+            if name == "k":
+                assert sharding.spec == P("dp", None, "tp", None), sharding.spec
+    experts = [(s, value.shape) for name, s, value in zip(runner.param_names, params_in, runner.params)
+               if name.endswith("experts.up_proj")]
+    assert experts and all(s.shard_shape(shape)[0] == shape[0] // (dp * tp) for s, shape in experts)
 
 
 def main(directory: str) -> None:
     assert jax.device_count() == 8, jax.devices()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 97, size=n).tolist() for n in (1, 6, 13, 27)]
-    for name, hf_model, mesh in (("nemotron_h_moe", make_nemotron_h("moe"), dict(dp=2, tp=2)),
-                                 ("deepseek_v32", make_dsa("deepseek_v32"), dict(dp=2, tp=4))):
+    for name, hf_model in (("nemotron_h_moe", make_nemotron_h("moe")), ("deepseek_v32", make_dsa("deepseek_v32"))):
         path = save(hf_model, f"{directory}/{name}")
         _, greedy_1, sampled_1 = serve(path, prompts)
-        llm, greedy_n, sampled_n = serve(path, prompts, **mesh)
-        assert greedy_n == greedy_1, (name, greedy_n, greedy_1)
-        assert sampled_n == sampled_1, (name, sampled_n, sampled_1)
-        devices = {len(a.sharding.device_set) for a in jax.tree.leaves(llm.engine.runner.caches)}
-        assert devices == {mesh["dp"] * mesh["tp"]}, devices
-        if name.startswith("nemotron"):
-            kv = next(cache for cache in llm.engine.runner.caches if hasattr(cache, "k"))
-            assert kv.k.sharding.spec == P(None, None, "tp", None)
-        print(f"{name}: dp={mesh['dp']} tp={mesh['tp']} serves the 1-device tokens")
+        for dp, tp in MESHES:
+            llm, greedy_n, sampled_n = serve(path, prompts, dp=dp, tp=tp)
+            assert greedy_n == greedy_1, (name, dp, tp, greedy_n, greedy_1)
+            assert sampled_n == sampled_1, (name, dp, tp, sampled_n, sampled_1)
+            check_compiled_layout(llm, dp, tp)
+            print(f"{name}: dp={dp} tp={tp} serves the 1-device tokens")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""Feed-forward layers across data-parallel groups (DP attention).
+
+Under the engine's data parallelism each `dp` group of devices runs attention and Mamba on its own requests (the
+step runs inside a `shard_map` that is manual over the `dp` mesh axis), while MLP and MoE weights are split over all
+devices: along the experts or the intermediate dimension, so that each group holds a slice of every feed-forward
+layer. Such a layer must see every group's tokens. `across_groups` gathers them over `dp`, lets each group apply
+its slice (whose outputs are partial sums of the full layer's: a slice of experts, or of the intermediate dimension
+before a linear down projection), and reduce-scatters the sum back, each group keeping its own tokens' rows.
+
+A part whose weights are whole in every group (a dimension the devices do not divide) runs on the group's own tokens
+only; summing it over groups would count it dp times.
+"""
+
+from typing import Callable
+
+import jax
+from jax import lax
+
+
+def across_groups(x: jax.Array, dp_axis: str | None, parts: list[tuple[Callable, bool]]) -> jax.Array:
+    """sum of fn(x) over `parts` = [(fn, split over dp groups)], for x[T, ...] the tokens of this group.
+
+    Without a `dp_axis` (one group, or outside the engine's data-parallel step) every part runs on x.
+    """
+    if dp_axis is None:
+        return sum(fn(x) for fn, _ in parts)
+    whole = [fn for fn, split in parts if not split]
+    sliced = [fn for fn, split in parts if split]
+    out = sum(fn(x) for fn in whole) if whole else 0
+    if sliced:
+        everyone = lax.all_gather(x, dp_axis, axis=0, tiled=True)
+        partial = sum(fn(everyone) for fn in sliced)
+        out = out + lax.psum_scatter(partial, dp_axis, scatter_dimension=0, tiled=True)
+    return out
