@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|deepseek|mla_prefill ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,6 +19,12 @@ for what in "$@"; do
         --serve-out 1024 --arrival-rate 0 --mamba-ssm-cache-dtype bfloat16 --json "$OUT/nano30b_bf16.json" 2>&1 | tail -12 ;;
     dispatch) for b in 1 256; do python3 bench/dispatch_probe.py --config bench/configs/nemotron_h_nano9b.json \
         --batch $b 2>&1 | tail -3; done ;;
+    x2) run=0; for args in "nemotron_h_nano30b_a3b --dp 2 --profile /tmp/prof_dp2" "nemotron_h_nano30b_a3b" \
+          "nemotron_h_nano30b_a3b --tp 2" "deepseek_v32_4layer --dp 2" "deepseek_v32_4layer"; do
+          set -- $args; config=$1; shift; run=$((run + 1)); log="$OUT/x2_$run.log"; echo "--- $config $*"
+          timeout 240 python3 -m jaxmodels bench --no-progress --config "bench/configs/$config.json" --phases decode \
+            --batches 256 --decode-steps 24 "$@" > "$log" 2>&1; echo "exit $?"
+          grep -A3 "| B |" "$log"; grep -A12 "^| category" "$log" | head -13; done ;;
     deepseek) bench --config bench/configs/deepseek_v32_4layer.json --phases prefill --prefill-chunk 4096 \
         --json "$OUT/deepseek.json" 2>&1 | tail -12 ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;

@@ -353,6 +353,7 @@ def main(argv=None, prog: str | None = None) -> None:
     llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, overlap=not args.no_overlap, dp=args.dp, tp=args.tp,
                         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, progress=not args.no_progress,
                         **engine_limits(args, phases))
+    del model  # on a mesh the engine holds the sharded copy; the one-device weights must not stay beside it
     results["compile_s"] = time.perf_counter() - start
     vocab = raw["vocab_size"]
     rng = np.random.default_rng(0)

@@ -51,22 +51,26 @@ class LLM:
         matmuls on the GPU too; `matmul_precision` overrides, see jaxmodels.precision). `overlap` schedules each
         step while the previous one runs on the device (same outputs). `mamba_ssm_cache_dtype` overrides the
         config's SSM state dtype ("bfloat16" halves the state traffic of Nemotron-H decode; float32 by default).
-        The other options are the engine's (see jaxmodels.engine.engine.Engine).
+        The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
+        None when dp * tp > 1 (its params then live sharded in the engine only).
         """
         # dp x tp devices: each of the dp groups serves its own requests from its own cache pools (max_batch_size
         # / dp each), attention heads and KV pages split over the group's tp devices; MLP / MoE weights split over
         # all devices, their layers exchanging tokens between groups (see sharding.rules, engine.runner).
         mesh = make_mesh(dp, tp) if dp * tp > 1 else None
         path = resolve_model_path(path) if path is not None else None  # a Hub id -> its snapshot directory
-        self.model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress,
-                                                                matmul_precision=matmul_precision)
+        model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress,
+                                                           matmul_precision=matmul_precision)
         self.tokenizer = load_tokenizer(path) if path is not None else None
-        self.engine = Engine(self.model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+        self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,
                              warmup=warmup, progress=progress, prefill_sizes=prefill_sizes,
                              decode_sizes=decode_sizes, mesh=mesh, memory_fraction=memory_fraction,
                              matmul_precision=matmul_precision, overlap=overlap,
                              mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
+        # Over a mesh the engine holds the only copy of the weights, sharded: keeping the loaded model here would
+        # keep a whole unsharded copy alive beside it.
+        self.model = model if mesh is None else None
 
     def metrics(self) -> dict:
         """The engine's counters (steps, tokens, host and wall time per step) and its pools' use now."""

@@ -1,6 +1,8 @@
-"""nnx plumbing between modules and flat params: {dotted path: array} out of a module, an abstract module (shapes
-only, no weight allocated) to load into, and the module back from its graphdef and filled params."""
+"""nnx plumbing between modules and flat params: {dotted path: array} out of a module, its params' logical axes, an
+abstract module (shapes only, no weight allocated) to load into, and the module back from its graphdef and filled
+params."""
 
+import jax
 from flax import nnx
 
 
@@ -25,3 +27,15 @@ def merge_params(graphdef, abstract_state, params: dict):
 def model_params(model) -> dict:
     """{dotted path: array} of a built model's state."""
     return {param_path(key): var.get_value() for key, var in nnx.to_flat_state(nnx.state(model))}
+
+
+def param_axes(model) -> dict:
+    """{dotted path: logical axes} of a model's (or a state's) params: the `axes` metadata each param declares where
+    it is defined (one name per dimension, see sharding.rules), None for a param that declares none."""
+    return {param_path(key): var.get_metadata().get("axes") for key, var in nnx.to_flat_state(nnx.state(model))}
+
+
+def abstract_state(state):
+    """`state` with a ShapeDtypeStruct in place of each array, its metadata kept: a structure for `merge_params`
+    that keeps no weight alive."""
+    return jax.tree.map(lambda value: jax.ShapeDtypeStruct(value.shape, value.dtype), state)

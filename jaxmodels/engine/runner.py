@@ -104,30 +104,31 @@ class Runner:
         self.max_seqs = max_seqs_per_extend
         self.dp = mesh.shape[DP] if mesh is not None else 1
         cache_shapes = _by_groups(step.cache_shapes(sizes), self.dp)
-        self.param_names = list(step.params)
+        params = step.take_params()  # placed here (sharded over the mesh, if any); the step keeps no reference
+        self.param_names = list(params)
         self.last_tokens = jnp.zeros((self.dp * sizes.num_slots,), jnp.int32)
         self._to_devices = lambda tree: tree  # numpy batches go to the executables as they are
         if mesh is None:
-            self.params = [step.params[name] for name in self.param_names]
+            self.params = [params[name] for name in self.param_names]
             self.caches = allocate_caches(cache_shapes)
             self._forward = {kind: jax.jit(_forward_fn(step, kind, self.param_names, None), donate_argnums=1)
                              for kind in StepKind}
             self._samplers = {mode: jax.jit(_sampler_fn(mode), donate_argnums=1) for mode in SAMPLERS}
         else:
-            self._shard_over(mesh, cache_shapes)
+            self._shard_over(mesh, params, cache_shapes)
         # Compiled executables: (StepKind, bucket) -> forward; (rows, sampler mode) -> sampler.
         self._compiled: dict[tuple, object] = {}
         self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
-    def _shard_over(self, mesh, cache_shapes) -> None:
+    def _shard_over(self, mesh, params: dict, cache_shapes) -> None:
         from sharding import cache_partition_specs, param_partition_specs
 
         def shardings(specs):
             return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
 
-        param_specs = param_partition_specs(self.step.params, mesh)
-        self.params = [jax.device_put(self.step.params[name], NamedSharding(mesh, param_specs[name]))
+        param_specs = param_partition_specs(params, self.step.param_axes, mesh)
+        self.params = [jax.device_put(params[name], NamedSharding(mesh, param_specs[name]))
                        for name in self.param_names]
         cache_specs = cache_partition_specs(cache_shapes, mesh)
         cache_shardings = shardings(cache_specs)

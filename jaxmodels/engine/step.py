@@ -1,15 +1,18 @@
-"""The engine's side of a model: its params, its caches' shapes, and the two step functions the runner jits.
+"""The engine's side of a model: its params and their logical axes, its caches' shapes, and the two step functions
+the runner jits.
 
 There is no per-family step code. Every model has one cache-aware forward, `model(tokens, step, caches)`, and
 declares its caches (`model.cache_shapes(sizes)`); a step builds the `StepContext` from the host's batch and calls
 it. The model is split into a static graph and flat params and rebuilt inside the trace (nnx.merge costs nothing at
-run time), so the engine runs exactly the layer code that `model(input_ids)` runs.
+run time), so the engine runs exactly the layer code that `model(input_ids)` runs. The step keeps the graph and an
+abstract state (shapes only), never the model: its params are the runner's to place, and once it has placed them
+on a mesh (`take_params`) nothing here keeps the unsharded arrays alive.
 """
 
 from flax import nnx
 
 from jaxmodels.engine.batch import DecodeBatch, ExtendBatch
-from jaxmodels.nnx_params import merge_params, model_params
+from jaxmodels.nnx_params import abstract_state, merge_params, model_params, param_axes
 from jaxmodels.precision import matmul_precision_for
 from jaxmodels.step_context import StepContext
 
@@ -22,10 +25,19 @@ class ModelStep:
         self.dtype = model.dtype
         self.matmul_precision = (matmul_precision_for(self.dtype, matmul_precision) if matmul_precision
                                  else model.matmul_precision)
-        self._model_cache_shapes = model.cache_shapes
         self._cache_options = dict(mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
+        self.state = abstract_state(state)
+        # Bound to a model rebuilt from the abstract state: `model.cache_shapes` would keep `model`'s weights alive.
+        self._model_cache_shapes = nnx.merge(self.graphdef, self.state).cache_shapes
         self.params = model_params(model)
+        self.param_axes = param_axes(model)
+
+    def take_params(self) -> dict:
+        """The params, handed over: the step drops its reference, so a copy placed elsewhere (sharded over a mesh)
+        leaves nothing here holding the original arrays."""
+        params, self.params = self.params, None
+        return params
 
     def cache_shapes(self, sizes) -> list:
         """Per layer, the ShapeDtypeStructs of its cache for pools of `sizes` (engine.cache.PoolSizes)."""

@@ -55,10 +55,10 @@ class GQAAttention(nnx.Module):
                  dtype=jnp.float32, sliding_window: int | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.sliding_window = sliding_window
-        self.q_proj = linear(hidden_size, num_heads * head_dim, rngs=rngs, dtype=dtype)
-        self.k_proj = linear(hidden_size, num_kv_heads * head_dim, rngs=rngs, dtype=dtype)
-        self.v_proj = linear(hidden_size, num_kv_heads * head_dim, rngs=rngs, dtype=dtype)
-        self.o_proj = linear(num_heads * head_dim, hidden_size, rngs=rngs, dtype=dtype)
+        self.q_proj = linear(hidden_size, num_heads * head_dim, axes=("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.k_proj = linear(hidden_size, num_kv_heads * head_dim, axes=("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.v_proj = linear(hidden_size, num_kv_heads * head_dim, axes=("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.o_proj = linear(num_heads * head_dim, hidden_size, axes=("heads", "embed"), rngs=rngs, dtype=dtype)
 
     def cache_shape(self, num_pages: int, page_size: int, dtype) -> KVCache:
         kv = jax.ShapeDtypeStruct((num_pages, page_size, self.num_kv_heads, self.head_dim), dtype)

@@ -37,8 +37,8 @@ class LayerNorm(nnx.Module):
     """LayerNorm with `weight` and `bias` (HF names), statistics in float32."""
 
     def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype), axes=("norm",))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -79,11 +79,11 @@ class LightningIndexer(nnx.Module):
             raise ValueError(f"reference numerics keep one FP8 scale per head: head_dim {head_dim} > {QUANT_BLOCK}")
         self.n_heads, self.head_dim, self.rope_dim, self.topk = n_heads, head_dim, rope_dim, topk
         self.rope_interleaved, self.numerics = rope_interleaved, numerics
-        self.wq_b = linear(q_lora_rank, n_heads * head_dim, rngs=rngs, dtype=dtype)
-        self.wk = linear(hidden_size, head_dim, rngs=rngs, dtype=dtype)
+        self.wq_b = linear(q_lora_rank, n_heads * head_dim, axes=("latent", "indexer"), rngs=rngs, dtype=dtype)
+        self.wk = linear(hidden_size, head_dim, axes=("embed", "indexer"), rngs=rngs, dtype=dtype)
         self.k_norm = LayerNorm(head_dim, 1e-6, dtype=dtype)
         # Float32 whatever the model dtype: transformers keeps `indexer.weights_proj` in float32 too.
-        self.weights_proj = linear(hidden_size, n_heads, rngs=rngs, dtype=jnp.float32,
+        self.weights_proj = linear(hidden_size, n_heads, axes=("embed", "indexer"), rngs=rngs, dtype=jnp.float32,
                                    precision=jax.lax.Precision.HIGHEST)
 
     def _rope(self, x, cos, sin):

@@ -4,9 +4,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, bias: bool = False, dtype=jnp.float32,
-           precision=None) -> nnx.Linear:
+def linear(in_features: int, out_features: int, *, axes: tuple[str, str], rngs: nnx.Rngs, bias: bool = False,
+           dtype=jnp.float32, precision=None) -> nnx.Linear:
     """An `nnx.Linear` whose parameters and arithmetic are in `dtype`.
+
+    `axes` names the kernel's logical axes (in, out), which sharding.rules maps to mesh axes. A bias is declared
+    "bias" whatever its kernel's split, and so replicated: it is one row, too small for its split to matter.
 
     Loaded models get their weights from the bridge (built under `nnx.eval_shape`, nothing is initialized); the
     initializer only matters for models built from scratch. `precision` pins the matmul precision of this layer
@@ -20,6 +23,8 @@ def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, bias: bool = 
         param_dtype=dtype,
         kernel_init=nnx.initializers.normal(0.02),
         precision=precision,
+        kernel_metadata={"axes": axes},
+        bias_metadata={"axes": ("bias",)},
         rngs=rngs,
     )
 

@@ -38,8 +38,9 @@ class DepthwiseConv1d(nnx.Module):
     """Weights of the causal depthwise conv: weight [channels, kernel] (HF stores [channels, 1, kernel])."""
 
     def __init__(self, channels: int, kernel: int, *, rngs: nnx.Rngs, bias: bool = True, dtype=jnp.float32):
-        self.weight = nnx.Param(nnx.initializers.normal(0.3)(rngs.params(), (channels, kernel), dtype))
-        self.bias = nnx.Param(jnp.zeros((channels,), dtype)) if bias else None
+        self.weight = nnx.Param(nnx.initializers.normal(0.3)(rngs.params(), (channels, kernel), dtype),
+                                axes=("mamba", "mamba"))
+        self.bias = nnx.Param(jnp.zeros((channels,), dtype), axes=("mamba",)) if bias else None
 
 
 class Mamba2Mixer(nnx.Module):
@@ -50,14 +51,16 @@ class Mamba2Mixer(nnx.Module):
         self.chunk_size, self.time_step_min, self.conv_kernel = chunk_size, time_step_min, conv_kernel
         self.intermediate = num_heads * head_dim
         self.conv_dim = self.intermediate + 2 * n_groups * state_size
-        self.in_proj = linear(hidden_size, self.intermediate + self.conv_dim + num_heads, rngs=rngs,
-                              bias=proj_bias, dtype=dtype)
+        self.in_proj = linear(hidden_size, self.intermediate + self.conv_dim + num_heads, axes=("embed", "mamba"),
+                              rngs=rngs, bias=proj_bias, dtype=dtype)
         self.conv1d = DepthwiseConv1d(self.conv_dim, conv_kernel, rngs=rngs, bias=conv_bias, dtype=dtype)
-        self.A_log = nnx.Param(jnp.log(jnp.arange(1, num_heads + 1, dtype=jnp.float32)).astype(dtype))
-        self.D = nnx.Param(jnp.ones((num_heads,), dtype))
-        self.dt_bias = nnx.Param(jnp.full((num_heads,), math.log(math.expm1(0.01)), dtype))
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, num_heads + 1, dtype=jnp.float32)).astype(dtype),
+                               axes=("mamba",))
+        self.D = nnx.Param(jnp.ones((num_heads,), dtype), axes=("mamba",))
+        self.dt_bias = nnx.Param(jnp.full((num_heads,), math.log(math.expm1(0.01)), dtype), axes=("mamba",))
         self.norm = GatedGroupRMSNorm(self.intermediate, self.intermediate // n_groups, eps, dtype=dtype)
-        self.out_proj = linear(self.intermediate, hidden_size, rngs=rngs, bias=proj_bias, dtype=dtype)
+        self.out_proj = linear(self.intermediate, hidden_size, axes=("mamba", "embed"), rngs=rngs, bias=proj_bias,
+                               dtype=dtype)
 
     def cache_shape(self, num_slots: int, dtype, ssm_dtype) -> MambaCache:
         return MambaCache(

@@ -63,16 +63,18 @@ class MLAttention(nnx.Module):
         self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
         self.scale = c.qk_head_dim ** -0.5 * softmax_scale_multiplier(c.rope)
-        self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, rngs=rngs, bias=c.attention_bias, dtype=dtype)
+        self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, axes=("embed", "latent"), rngs=rngs,
+                               bias=c.attention_bias, dtype=dtype)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dtype=dtype, scale_in_float32=False)
-        self.q_b_proj = linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, rngs=rngs, dtype=dtype)
-        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, rngs=rngs,
-                                         bias=c.attention_bias, dtype=dtype)
+        self.q_b_proj = linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, axes=("latent", "mla_heads"),
+                               rngs=rngs, dtype=dtype)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, axes=("embed", "latent"),
+                                         rngs=rngs, bias=c.attention_bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype, scale_in_float32=False)
         self.kv_b_proj = linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
-                                rngs=rngs, dtype=dtype)
-        self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, rngs=rngs, bias=c.attention_bias,
-                             dtype=dtype)
+                                axes=("latent", "mla_heads"), rngs=rngs, dtype=dtype)
+        self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, axes=("mla_heads", "embed"),
+                             rngs=rngs, bias=c.attention_bias, dtype=dtype)
         # GLM-5's "shared" layers have no indexer of their own: they reuse the previous layer's selection.
         self.indexer = LightningIndexer(
             hidden_size=c.hidden_size, q_lora_rank=c.q_lora_rank, n_heads=c.index_n_heads,

@@ -22,8 +22,10 @@ class MLP(nnx.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  bias: bool = False, activation: str = "relu2"):
-        self.up_proj = linear(hidden_size, intermediate_size, rngs=rngs, bias=bias, dtype=dtype)
-        self.down_proj = linear(intermediate_size, hidden_size, rngs=rngs, bias=bias, dtype=dtype)
+        self.up_proj = linear(hidden_size, intermediate_size, axes=("embed", "mlp"), rngs=rngs, bias=bias,
+                              dtype=dtype)
+        self.down_proj = linear(intermediate_size, hidden_size, axes=("mlp", "embed"), rngs=rngs, bias=bias,
+                                dtype=dtype)
         self.activation, self.intermediate_size = activation, intermediate_size
 
     def forward(self, x: jax.Array) -> jax.Array:
@@ -41,9 +43,12 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  bias: bool = False, activation: str = "silu"):
-        self.gate_proj = linear(hidden_size, intermediate_size, rngs=rngs, bias=bias, dtype=dtype)
-        self.up_proj = linear(hidden_size, intermediate_size, rngs=rngs, bias=bias, dtype=dtype)
-        self.down_proj = linear(intermediate_size, hidden_size, rngs=rngs, bias=bias, dtype=dtype)
+        self.gate_proj = linear(hidden_size, intermediate_size, axes=("embed", "mlp"), rngs=rngs, bias=bias,
+                                dtype=dtype)
+        self.up_proj = linear(hidden_size, intermediate_size, axes=("embed", "mlp"), rngs=rngs, bias=bias,
+                              dtype=dtype)
+        self.down_proj = linear(intermediate_size, hidden_size, axes=("mlp", "embed"), rngs=rngs, bias=bias,
+                                dtype=dtype)
         self.activation, self.intermediate_size = activation, intermediate_size
 
     def forward(self, x: jax.Array) -> jax.Array:

@@ -46,8 +46,9 @@ class TopkRouter(nnx.Module):
     """Router weights stay float32 whatever the model dtype (transformers keeps them so too)."""
 
     def __init__(self, hidden_size: int, num_experts: int, *, rngs: nnx.Rngs):
-        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (num_experts, hidden_size), jnp.float32))
-        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
+        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (num_experts, hidden_size), jnp.float32),
+                                axes=("router_expert", "embed"))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32), axes=("router_expert",))
 
     def logits(self, x: jax.Array) -> jax.Array:
         # Full float32 whatever the model's matmul precision: expert choice flips on small score differences.
@@ -73,10 +74,11 @@ class RoutedExperts(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.num_experts, self.activation, self.gated = num_experts, activation, gated
         self.intermediate = intermediate
+        up_axes, down_axes = ("expert", "embed", "expert_mlp"), ("expert", "expert_mlp", "embed")
         if gated:
-            self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, in_dim, intermediate), dtype))
-        self.up_proj = nnx.Param(init(rngs.params(), (num_experts, in_dim, intermediate), dtype))
-        self.down_proj = nnx.Param(init(rngs.params(), (num_experts, intermediate, in_dim), dtype))
+            self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, in_dim, intermediate), dtype), axes=up_axes)
+        self.up_proj = nnx.Param(init(rngs.params(), (num_experts, in_dim, intermediate), dtype), axes=up_axes)
+        self.down_proj = nnx.Param(init(rngs.params(), (num_experts, intermediate, in_dim), dtype), axes=down_axes)
 
     def held_experts(self) -> int:
         """How many experts this group holds: all of them, or its slice when the experts are split over dp groups
@@ -130,8 +132,8 @@ class MoE(nnx.Module):
                                      activation=activation, gated=gated)
         self.latent_size = latent_size
         if latent_size is not None:
-            self.fc1_latent_proj = linear(hidden_size, latent_size, rngs=rngs, dtype=dtype)
-            self.fc2_latent_proj = linear(latent_size, hidden_size, rngs=rngs, dtype=dtype)
+            self.fc1_latent_proj = linear(hidden_size, latent_size, axes=("embed", "latent"), rngs=rngs, dtype=dtype)
+            self.fc2_latent_proj = linear(latent_size, hidden_size, axes=("latent", "embed"), rngs=rngs, dtype=dtype)
         self.shared_experts = shared_expert or MLP(hidden_size, shared_intermediate, rngs=rngs, dtype=dtype,
                                                    activation=activation)
 

@@ -19,7 +19,7 @@ class RMSNorm(nnx.Module):
     """
 
     def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, scale_in_float32: bool = True):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
         self.eps = eps
         self.scale_in_float32 = scale_in_float32
 
@@ -36,7 +36,7 @@ class GatedGroupRMSNorm(nnx.Module):
     def __init__(self, dim: int, group_size: int, eps: float, *, dtype=jnp.float32):
         if dim % group_size:
             raise ValueError(f"norm size {dim} is not a multiple of its group size {group_size}")
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
         self.group_size = group_size
         self.eps = eps
 

@@ -21,13 +21,14 @@ class CausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.matmul_precision = matmul_precision_for(self.dtype, matmul_precision)
         setattr(self, self.EMBEDDING, nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-                                                rngs=rngs))
+                                                embedding_metadata={"axes": ("vocab", "embed")}, rngs=rngs))
         return rngs
 
     def _init_head(self, rngs: nnx.Rngs) -> None:
         """The LM head, after the layers (so random inits draw in the order they always did)."""
         if not self.config.tie_word_embeddings:
-            self.lm_head = linear(self.config.hidden_size, self.config.vocab_size, rngs=rngs, dtype=self.dtype)
+            self.lm_head = linear(self.config.hidden_size, self.config.vocab_size, axes=("embed", "vocab"), rngs=rngs,
+                                  dtype=self.dtype)
 
     def embed(self, input_ids) -> jax.Array:
         return getattr(self, self.EMBEDDING)(jnp.asarray(input_ids, jnp.int32))

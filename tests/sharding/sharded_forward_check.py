@@ -9,9 +9,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxmodels
-from jaxmodels.nnx_params import merge_params, model_params
-from sharding import make_mesh, param_partition_specs, shard_params
-from sharding.rules import spec_for
+from jaxmodels.nnx_params import merge_params, model_params, param_axes
+from sharding import make_mesh, param_partition_specs, shard_params, spec_for
+from sharding.rules import ALL
 from tests.hf_models import make_nemotron_h, save
 from tests.numerics import max_relative_error
 
@@ -23,17 +23,19 @@ def main(directory: str) -> None:
     expected = np.asarray(model(ids))
 
     mesh = make_mesh(dp=2, tp=4)
-    params = model_params(model)
-    specs = param_partition_specs(params, mesh)
-    assert specs["layers.1.mixer.experts.up_proj"] == P(("dp", "tp"), None, None)
+    params, axes = model_params(model), param_axes(model)
+    specs = param_partition_specs(params, axes, mesh)
+    assert specs["layers.1.mixer.experts.up_proj"] == P(ALL, None, None)
     assert specs["layers.2.mixer.q_proj.kernel"] == P(None, "tp")
-    assert specs["layers.0.mixer.in_proj.kernel"] == P()
+    assert specs["layers.0.mixer.in_proj.kernel"] == P(None, None)
+    up, down = axes["layers.1.mixer.experts.up_proj"], axes["layers.1.mixer.experts.down_proj"]
+    assert (up, down) == (("expert", "embed", "expert_mlp"), ("expert", "expert_mlp", "embed"))
     # Six experts do not divide over 8 devices: each expert's intermediate dimension is split instead.
-    assert spec_for("x.mixer.experts.up_proj", (6, 48, 16), mesh) == P(None, None, ("dp", "tp"))
-    assert spec_for("x.mixer.experts.down_proj", (6, 16, 48), mesh) == P(None, ("dp", "tp"), None)
-    assert spec_for("x.mixer.experts.up_proj", (6, 48, 12), mesh) == P(None, None, None)
-    assert spec_for("x.mixer.q_proj.kernel", (48, 6), mesh) == P(None, None)
-    sharded = shard_params(params, mesh)
+    assert spec_for(up, (6, 48, 16), mesh) == P(None, None, ALL)
+    assert spec_for(down, (6, 16, 48), mesh) == P(None, ALL, None)
+    assert spec_for(up, (6, 48, 12), mesh) == P(None, None, None)
+    assert spec_for(axes["layers.2.mixer.q_proj.kernel"], (48, 6), mesh) == P(None, None)
+    sharded = shard_params(params, axes, mesh)
     assert len(sharded["layers.1.mixer.experts.up_proj"].sharding.device_set) == 8
 
     graphdef, state = nnx.split(model)

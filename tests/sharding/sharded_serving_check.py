@@ -4,6 +4,7 @@ Each dp group serves its own requests from its own slice of the cache pools (DP 
 split over all devices. Four prompts on up to eight groups leave some groups idle.
 """
 
+import gc
 import sys
 
 import jax
@@ -49,18 +50,27 @@ def check_compiled_layout(llm, dp: int, tp: int) -> None:
     assert experts and all(s.shard_shape(shape)[0] == shape[0] // (dp * tp) for s, shape in experts)
 
 
+def unsharded_param_copies(llm) -> list:
+    """Live arrays on one device shaped like one of the engine's params: the loaded model's copies, which sharding
+    over the mesh should have left unreferenced."""
+    shapes = {param.shape for param in llm.engine.runner.params}
+    gc.collect()
+    return [a for a in jax.live_arrays() if len(a.sharding.device_set) == 1 and a.shape in shapes]
+
+
 def main(directory: str) -> None:
     assert jax.device_count() == 8, jax.devices()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 97, size=n).tolist() for n in (1, 6, 13, 27)]
     for name, hf_model in (("nemotron_h_moe", make_nemotron_h("moe")), ("deepseek_v32", make_dsa("deepseek_v32"))):
         path = save(hf_model, f"{directory}/{name}")
-        _, greedy_1, sampled_1 = serve(path, prompts)
+        greedy_1, sampled_1 = serve(path, prompts)[1:]  # the 1-device LLM, and its params, dropped at once
         for dp, tp in MESHES:
             llm, greedy_n, sampled_n = serve(path, prompts, dp=dp, tp=tp)
             assert greedy_n == greedy_1, (name, dp, tp, greedy_n, greedy_1)
             assert sampled_n == sampled_1, (name, dp, tp, sampled_n, sampled_1)
             check_compiled_layout(llm, dp, tp)
+            assert llm.model is None and not unsharded_param_copies(llm)
             print(f"{name}: dp={dp} tp={tp} serves the 1-device tokens")
 
 

@@ -4,6 +4,7 @@ Each check runs in a subprocess: the simulated device count must be set before j
 """
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -30,3 +31,22 @@ def test_sharded_serving_equals_one_device(tmp_path):
     for model in ("nemotron_h_moe", "deepseek_v32"):
         for dp, tp in MESHES:
             assert f"{model}: dp={dp} tp={tp} serves the 1-device tokens" in out
+
+
+def test_multi_process_job_equals_one_device(tmp_path):
+    """Two processes of one JAX job on this host, as two hosts would run it: the mesh spans both."""
+    from tests.hf_models import make_nemotron_h, save
+
+    path = save(make_nemotron_h("moe"), tmp_path / "ckpt")
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
+    processes = [subprocess.Popen([sys.executable, "-m", "tests.sharding.multihost_check", str(path)], cwd=ROOT,
+                                  env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [process.communicate(timeout=900)[0] for process in processes]
+    for i, (process, out) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, out[-3000:]
+        assert f"process {i}: dp=2 tp=2 over 2 processes serves the 1-device tokens" in out
