@@ -17,7 +17,12 @@ BASE_MODEL_PREFIXES = ("backbone.", "model.")
 
 
 class CheckpointError(ValueError):
-    """The checkpoint does not fit the model: missing, unexpected or mis-shaped tensors, or unreadable files."""
+    """The checkpoint does not fit the model: missing, unexpected or mis-shaped tensors, or unreadable files.
+    `missing` holds the names of the absent tensors, if any."""
+
+    def __init__(self, message: str, *, missing: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 def normalize_name(name: str) -> str:

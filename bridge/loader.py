@@ -25,13 +25,14 @@ def _listing(items: list[str]) -> str:
 
 def plan_sources(reader, abstract: dict, *, ignore=(), rules=DEFAULT_RULES) -> dict:
     """Map each param path to its `TensorSource`, or raise `CheckpointError` listing every mismatch."""
-    plan, missing, misshaped, used = {}, [], [], set()
+    plan, missing, missing_names, misshaped, used = {}, [], [], [], set()
     for path, leaf in abstract.items():
         source = source_for(path, tuple(leaf.shape), reader, rules)
         plan[path] = source
         for name, expected in zip(source.names, source.shapes):
             used.add(name)
             if name not in reader:
+                missing_names.append(name)
                 missing.append(f"{name} (for param {path}, expected shape {expected})")
             elif tuple(reader.shape(name)) != tuple(expected):
                 misshaped.append(f"{name}: checkpoint shape {tuple(reader.shape(name))}, model expects {expected} "
@@ -46,7 +47,8 @@ def plan_sources(reader, abstract: dict, *, ignore=(), rules=DEFAULT_RULES) -> d
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s) the model has no place for:{_listing(unexpected)}")
     if problems:
-        raise CheckpointError(f"checkpoint {reader.source} does not match the model:\n" + "\n".join(problems))
+        raise CheckpointError(f"checkpoint {reader.source} does not match the model:\n" + "\n".join(problems),
+                              missing=missing_names)
     return plan
 
 

@@ -89,6 +89,17 @@ DEFAULT_RULES: tuple[Rule, ...] = (linear_kernel, embedding, depthwise_conv, fus
                                    same_name)
 
 
+def renamed(param_prefix: str, checkpoint_prefix: str, rules: tuple[Rule, ...] = DEFAULT_RULES) -> Rule:
+    """A rule for the params under `param_prefix` whose tensors the checkpoint keeps under `checkpoint_prefix`
+    (DeepSeek's MTP layers, which checkpoints number on after the decoder layers): `rules` on the renamed path."""
+    def rule(path, shape, reader):
+        if not path.startswith(param_prefix):
+            return None
+        return source_for(checkpoint_prefix + path[len(param_prefix):], shape, reader, rules)
+
+    return rule
+
+
 def source_for(path: str, shape: tuple[int, ...], reader, rules=DEFAULT_RULES) -> TensorSource:
     for rule in rules:
         source = rule(path, shape, reader)

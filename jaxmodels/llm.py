@@ -59,8 +59,9 @@ class LLM:
         # all devices, their layers exchanging tokens between groups (see sharding.rules, engine.runner).
         mesh = make_mesh(dp, tp) if dp * tp > 1 else None
         path = resolve_model_path(path) if path is not None else None  # a Hub id -> its snapshot directory
+        # The engine does not draft tokens yet: MTP layers would only take memory (a DeepSeek one is an MoE layer).
         model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress,
-                                                           matmul_precision=matmul_precision)
+                                                           matmul_precision=matmul_precision, load_mtp=False)
         self.tokenizer = load_tokenizer(path) if path is not None else None
         self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,

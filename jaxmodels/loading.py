@@ -1,43 +1,76 @@
 """`load_model`: an HF checkpoint directory (or one we converted) -> an nnx model with its weights; `from_torch`: the
 same from a transformers model already in memory."""
 
+import dataclasses
+import re
+
 import jax.numpy as jnp
 
-from bridge.checkpoint import dict_reader, open_checkpoint
+from bridge.checkpoint import CheckpointError, dict_reader, open_checkpoint
 from bridge.converted import converted_dtype, is_converted_dir, restore_converted, save_converted
 from bridge.loader import load_params
+from bridge.rules import DEFAULT_RULES, renamed
 from bridge.torch_interop import torch_to_numpy
 from jaxmodels.configs import read_config_dict
-from jaxmodels.families import abstract_model, load_config
+from jaxmodels.families import abstract_model, load_config, model_class
 from jaxmodels.hub import resolve_model_path
 from jaxmodels.nnx_params import merge_params, model_params
 
 
-def checkpoint_ignore_patterns(config) -> tuple[str, ...]:
-    """Checkpoint tensors that exist but that the model does not use (regexes over normalized names)."""
+def checkpoint_ignore_patterns(config, *, load_mtp: bool = True) -> tuple[str, ...]:
+    """Checkpoint tensors that exist but that the model does not use (regexes over normalized names): among them
+    the MTP layers' copies of the target's embedding and LM head, or with `load_mtp=False` all of the MTP layers'
+    tensors."""
     patterns = [r"rotary_emb\.inv_freq$"]
     if getattr(config, "tie_word_embeddings", False):
         patterns.append(r"^lm_head\.weight$")
-    # Multi-token-prediction heads (`mtp.*` in Nemotron-H) serve speculative decoding, which transformers does not
-    # load either; they are skipped until the engine grows speculative decoding.
-    patterns.append(r"^mtp\.")
-    # DeepSeek / GLM checkpoints append theirs as extra decoder layers after the last real one.
-    num_mtp = getattr(config, "num_nextn_predict_layers", 0)
-    if num_mtp and config.model_type in ("deepseek_v32", "glm_moe_dsa"):
-        first = config.num_hidden_layers
-        patterns.append(rf"^layers\.({'|'.join(str(first + i) for i in range(num_mtp))})\.")
+    model = model_class(config)
+    for prefix in model.mtp_checkpoint_prefixes(config).values():
+        if load_mtp:
+            patterns += [f"^{re.escape(prefix + name)}$" for name in model.MTP_COPIES_OF_TARGET]
+        else:
+            patterns.append(f"^{re.escape(prefix)}")
     return tuple(patterns)
 
 
-def build_from_reader(config, reader, dtype, *, progress: bool = True, matmul_precision: str | None = None):
-    """Build the model for `config` with the weights `reader` provides, checked strictly."""
+def checkpoint_rules(config) -> tuple:
+    """The bridge's rules, after one renaming rule per param prefix that checkpoints store under another name."""
+    prefixes = model_class(config).mtp_checkpoint_prefixes(config)
+    return (*(renamed(ours, theirs) for ours, theirs in prefixes.items() if ours != theirs), *DEFAULT_RULES)
+
+
+def without_mtp(config):
+    """`config` with no MTP layers: the model it builds has none."""
+    return dataclasses.replace(config, num_nextn_predict_layers=0)
+
+
+def build_from_reader(config, reader, dtype, *, load_mtp: bool = True, progress: bool = True,
+                      matmul_precision: str | None = None):
+    """Build the model for `config` with the weights `reader` provides, checked strictly. `load_mtp=False` builds it
+    without the MTP layers the config declares and skips their tensors."""
+    ignore = checkpoint_ignore_patterns(config, load_mtp=load_mtp)
+    if not load_mtp:
+        config = without_mtp(config)
     graphdef, state, abstract = abstract_model(config, dtype, matmul_precision)
-    params = load_params(reader, abstract, ignore=checkpoint_ignore_patterns(config), progress=progress)
+    try:
+        params = load_params(reader, abstract, ignore=ignore, rules=checkpoint_rules(config), progress=progress)
+    except CheckpointError as err:
+        if not _lacks_mtp_tensors(err, config):
+            raise
+        raise CheckpointError(
+            f"{err}\nThe config declares {config.num_nextn_predict_layers} multi-token-prediction layer(s) "
+            "(num_nextn_predict_layers) whose tensors the checkpoint lacks; load_model(..., load_mtp=False) loads the "
+            "model without them (it then cannot draft tokens for speculative decoding).", missing=err.missing) from err
     return merge_params(graphdef, state, params)
 
 
+def _lacks_mtp_tensors(err: CheckpointError, config) -> bool:
+    prefixes = tuple(model_class(config).mtp_checkpoint_prefixes(config).values())
+    return bool(prefixes) and any(name.startswith(prefixes) for name in err.missing)
+
+
 def load_model(path, dtype="float32", *, converted_cache=None, progress: bool = True,
-               matmul_precision: str | None = None):
+               matmul_precision: str | None = None, load_mtp: bool = True):
     """Load a model from an HF checkpoint directory (or a Hugging Face Hub id), or from a directory `save_converted`
     wrote.
 
@@ -47,38 +80,47 @@ def load_model(path, dtype="float32", *, converted_cache=None, progress: bool = 
 
     `dtype` is also the compute precision: a float32 model runs its matmuls in full float32 on the GPU too (not
     TF32); `matmul_precision` overrides that (see jaxmodels.precision).
+
+    The multi-token-prediction (MTP) layers the config declares (`num_nextn_predict_layers`), which draft tokens
+    for speculative decoding, are loaded too, and a checkpoint that lacks their tensors is an error naming them;
+    `load_mtp=False` builds the model without them and skips their tensors.
     """
     path = resolve_model_path(path)  # a Hub id -> its snapshot directory
     dtype = jnp.dtype(dtype)
     if converted_cache is not None and is_converted_dir(converted_cache):
-        return _restore(converted_cache, dtype, matmul_precision)
+        return _restore(converted_cache, dtype, matmul_precision, load_mtp)
     if is_converted_dir(path):
-        return _restore(path, dtype, matmul_precision)
+        return _restore(path, dtype, matmul_precision, load_mtp)
     raw_config = read_config_dict(path)
     config = load_config(raw_config)
-    model = build_from_reader(config, open_checkpoint(path), dtype, progress=progress,
+    model = build_from_reader(config, open_checkpoint(path), dtype, load_mtp=load_mtp, progress=progress,
                               matmul_precision=matmul_precision)
     if converted_cache is not None:
-        save_converted(model_params(model), converted_cache, raw_config, dtype=dtype)
+        # The converted directory's config describes the params it holds.
+        built_config = raw_config if load_mtp else {**raw_config, "num_nextn_predict_layers": 0}
+        save_converted(model_params(model), converted_cache, built_config, dtype=dtype)
     return model
 
 
 def from_torch(hf_model, dtype=None, *, progress: bool = True):
     """Our model with the weights of a transformers `*ForCausalLM` already in memory (no disk round trip).
 
-    `dtype` defaults to the torch model's dtype.
+    `dtype` defaults to the torch model's dtype. transformers does not build MTP layers, so neither does this.
     """
     config = load_config(hf_model.config.to_dict())
     if dtype is None:
         dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
     reader = dict_reader(dict(hf_model.state_dict()), f"in-memory {type(hf_model).__name__}", to_numpy=torch_to_numpy)
-    return build_from_reader(config, reader, dtype, progress=progress)
+    return build_from_reader(config, reader, dtype, load_mtp=False, progress=progress)
 
 
-def _restore(directory, dtype, matmul_precision=None):
+def _restore(directory, dtype, matmul_precision=None, load_mtp: bool = True):
     saved = jnp.dtype(converted_dtype(directory))
     if saved != dtype:
         raise ValueError(f"{directory} holds params converted to {saved}, not the requested {dtype}")
     config = load_config(directory)
     graphdef, state, abstract = abstract_model(config, dtype, matmul_precision)
-    return merge_params(graphdef, state, restore_converted(directory, abstract))
+    params = restore_converted(directory, abstract)
+    if not load_mtp:
+        graphdef, state, abstract = abstract_model(without_mtp(config), dtype, matmul_precision)
+    return merge_params(graphdef, state, {path: params[path] for path in abstract})

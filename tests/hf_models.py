@@ -1,6 +1,9 @@
 """Tiny random transformers checkpoints for parity tests (torch CPU, float32)."""
 
+import os
+
 import torch
+from safetensors.torch import load_file, save_file
 
 # Shapes chosen to hit the awkward cases: several Mamba groups, a Mamba head dim that is not a power of two, a
 # chunk size small enough for prompts to span several chunks, GQA, grouped routing with a shared expert.
@@ -47,6 +50,17 @@ def save(model, directory, **kwargs):
     return directory
 
 
+def append_tensors(directory, tensors: dict) -> None:
+    """Add `tensors` ({checkpoint name: torch tensor}) to the `model.safetensors` of a saved checkpoint: the MTP
+    layers, which transformers neither builds nor saves."""
+    path = os.path.join(directory, "model.safetensors")
+    saved = load_file(path)
+    clashes = sorted(saved.keys() & tensors.keys())
+    assert not clashes, f"{path} already holds {clashes}"
+    saved.update({name: tensor.detach().clone().contiguous() for name, tensor in tensors.items()})
+    save_file(saved, path, metadata={"format": "pt"})
+
+
 def logits_of(model, input_ids) -> "torch.Tensor":
     with torch.no_grad():
         return model(torch.as_tensor(input_ids)).logits.float()
@@ -60,7 +74,7 @@ DSA_BASE = dict(
     qk_rope_head_dim=8, v_head_dim=12, index_n_heads=16, index_head_dim=16, index_topk=6, first_k_dense_replace=1,
     n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
     routed_scaling_factor=2.5, rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False,
-    rope_parameters=dict(rope_type="default", rope_theta=10000.0), num_nextn_predict_layers=1,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0),
 )
 
 # YaRN with mscale != mscale_all_dim, so that both the cos/sin factor and the softmax-scale correction are not 1.
@@ -84,10 +98,8 @@ TINY_CONFIGS = {
 
 
 def make_dsa(variant: str, seed: int = 0, **overrides):
-    """A random DeepSeek-V3.2 or GLM-5 model in eval mode, with random router correction biases and norm weights.
-
-    Norm weights are drawn away from 1 so that a norm applied to the wrong tensor (or not at all) shows.
-    """
+    """A random DeepSeek-V3.2 or GLM-5 model in eval mode, its norms and router biases perturbed
+    (`perturb_norms_and_router_biases`)."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     glm = variant.startswith("glm")
@@ -96,12 +108,18 @@ def make_dsa(variant: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = config_cls(**{**DSA_BASE, **DSA_VARIANTS[variant], **overrides})
     model = model_cls(config).eval()
+    perturb_norms_and_router_biases(model)
+    return model
+
+
+def perturb_norms_and_router_biases(model) -> None:
+    """Norm weights drawn away from 1 (and norm biases away from 0), so that a norm applied to the wrong tensor (or
+    not at all) shows; router correction biases drawn so that selection with bias differs from selection without."""
     with torch.no_grad():
         for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
                 tensor.copy_(torch.randn_like(tensor) * 0.05)
-            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            elif name.endswith(("norm.weight", "norm_f.weight")):
                 tensor.copy_(1 + 0.2 * torch.randn_like(tensor))
             elif name.endswith("k_norm.bias"):
                 tensor.copy_(0.1 * torch.randn_like(tensor))
-    return model

@@ -59,6 +59,13 @@ class DeepseekV32Config:
     def layer_indexer_types(self) -> tuple[str, ...]:
         return self.indexer_types or ("full",) * self.num_hidden_layers
 
+    @property
+    def mtp_mlp_layer_type(self) -> str:
+        """The MLP of the MTP layers. Checkpoints number them on after the last decoder layer, past the
+        `first_k_dense_replace` dense ones, so they are MoE in any model with MoE layers (every published one); the
+        strict loader names the tensors if a checkpoint says otherwise."""
+        return "sparse" if "sparse" in self.mlp_layer_types else "dense"
+
     @classmethod
     def from_hf(cls, raw: dict):
         num_layers = raw.get("num_hidden_layers")

@@ -53,13 +53,20 @@ class NemotronHConfig:
     max_position_embeddings: int = 4096
     mamba_ssm_cache_dtype: str = "float32"
     eos_token_id: tuple[int, ...] = ()
+    # Multi-token prediction: num_nextn_predict_layers MTP layers, each a run of blocks of these kinds.
     num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()
 
     model_type = "nemotron_h"
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
+
+    @property
+    def block_kinds(self) -> set[str]:
+        """The kinds of every block the model builds, its MTP layers' included."""
+        return set(self.layer_types) | set(self.mtp_layer_types if self.num_nextn_predict_layers else ())
 
     @property
     def mamba_intermediate_size(self) -> int:
@@ -71,7 +78,12 @@ class NemotronHConfig:
 
     @classmethod
     def from_hf(cls, raw: dict) -> "NemotronHConfig":
-        layer_types = _layer_types(raw)
+        # Like transformers, the listed kinds or the pattern win over a stale num_hidden_layers.
+        layer_types = _layer_kinds(raw, ("layers_block_type", "layer_types"), "hybrid_override_pattern")
+        num_mtp_layers = raw.get("num_nextn_predict_layers", 0) or 0
+        # transformers writes its default `mtp_layers_block_type` into every config: read it only where it counts.
+        mtp_layer_types = (_layer_kinds(raw, ("mtp_layers_block_type",), "mtp_hybrid_override_pattern")
+                           if num_mtp_layers > 0 else ())
         num_heads = raw.get("num_attention_heads", 32)
         eos = eos_token_ids(raw)
         values = dict(
@@ -110,7 +122,8 @@ class NemotronHConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             mamba_ssm_cache_dtype=raw.get("mamba_ssm_cache_dtype", "float32"),
             eos_token_id=eos,
-            num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 0) or 0,
+            num_nextn_predict_layers=num_mtp_layers,
+            mtp_layer_types=mtp_layer_types,
         )
         for name in ("vocab_size", "hidden_size"):
             if values[name] is None:
@@ -124,13 +137,20 @@ class NemotronHConfig:
     def __post_init__(self):
         require_positive(self, "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
         require_divisible(self, "num_attention_heads", "num_key_value_heads")
+        if self.num_nextn_predict_layers < 0:
+            raise ConfigError("num_nextn_predict_layers", f"must be >= 0, got {self.num_nextn_predict_layers}")
+        if self.num_nextn_predict_layers and not self.mtp_layer_types:
+            raise ConfigError("mtp_layers_block_type", "is required when num_nextn_predict_layers > 0")
+        if self.num_nextn_predict_layers and "mamba" in self.mtp_layer_types:
+            # No published checkpoint has one, and a recurrent draft layer would need state rolled back on rejection.
+            raise ConfigError("mtp_layers_block_type", "Mamba blocks in MTP layers are not supported")
         if "mamba" in self.layer_types:
             require_positive(self, "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel",
                              "chunk_size")
             require_divisible(self, "mamba_num_heads", "n_groups")
-        if "mlp" in self.layer_types:
+        if "mlp" in self.block_kinds:
             require_positive(self, "intermediate_size")
-        if "moe" in self.layer_types:
+        if "moe" in self.block_kinds:
             require_positive(self, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                              "moe_shared_expert_intermediate_size", "n_group", "topk_group")
             require_divisible(self, "n_routed_experts", "n_group")
@@ -151,27 +171,28 @@ class NemotronHConfig:
             raise ConfigError("mamba_ssm_cache_dtype", f"unsupported dtype {self.mamba_ssm_cache_dtype!r}")
 
 
-def _layer_types(raw: dict) -> tuple[str, ...]:
-    listed = raw.get("layers_block_type") or raw.get("layer_types")
+def _layer_kinds(raw: dict, list_fields: tuple[str, ...], pattern_field: str) -> tuple[str, ...]:
+    """Our layer kinds from the first of `list_fields` that is given (a list of HF block-type names), else from the
+    legacy pattern string in `pattern_field`."""
+    field = list_fields[0]
+    listed = next((raw[name] for name in list_fields if raw.get(name)), None)
     if listed is not None:
         if not isinstance(listed, (list, tuple)):
-            raise ConfigError("layers_block_type", f"must be a list of strings, got {type(listed).__name__}")
+            raise ConfigError(field, f"must be a list of strings, got {type(listed).__name__}")
         unknown = sorted({t for t in listed if t not in BLOCK_TYPE_NAMES})
         if unknown:
-            raise ConfigError("layers_block_type",
-                              f"unknown layer types {unknown}; expected names among {sorted(BLOCK_TYPE_NAMES)}")
+            raise ConfigError(field, f"unknown layer types {unknown}; expected names among {sorted(BLOCK_TYPE_NAMES)}")
         types = tuple(BLOCK_TYPE_NAMES[t] for t in listed)
-    elif "hybrid_override_pattern" in raw:
-        pattern = raw["hybrid_override_pattern"]
+    elif pattern_field in raw:
+        pattern = raw[pattern_field]
         bad = sorted({c for c in pattern if c not in PATTERN_LETTERS})
         if bad:
-            raise ConfigError("hybrid_override_pattern",
+            raise ConfigError(pattern_field,
                               f"unknown layer letters {bad} in {pattern!r}; expected letters among "
                               f"{sorted(PATTERN_LETTERS)} (M=mamba, *=attention, -=mlp, E=moe)")
         types = tuple(PATTERN_LETTERS[c] for c in pattern)
     else:
-        raise ConfigError("layers_block_type", "neither layers_block_type nor hybrid_override_pattern is given")
+        raise ConfigError(field, f"neither {field} nor {pattern_field} is given")
     if not types:
-        raise ConfigError("layers_block_type", "the model has no layers")
-    # Like transformers, the pattern wins over a stale num_hidden_layers.
+        raise ConfigError(field, "lists no layers")
     return types

@@ -138,6 +138,8 @@ class Runner:
         if jax.process_count() > 1:  # each process feeds its own devices' rows of the host's batch
             self._to_devices = lambda tree: jax.tree.map(
                 lambda a: jax.make_array_from_callback(a.shape, by_group, lambda index: a[index]), tree)
+        else:  # one transfer of the whole batch, split by rows; numpy arguments would take jit's slow path, one by one
+            self._to_devices = lambda tree: jax.device_put(tree, by_group)
         group_specs = jax.tree.map(_group_axis_only, cache_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         rows = PartitionSpec(DP)
         forward_specs = dict(in_specs=([_group_axis_only(param_specs[name]) for name in self.param_names],

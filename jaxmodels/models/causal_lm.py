@@ -1,18 +1,26 @@
 """What the causal LMs share around their layer stacks: dtype and compute precision, the token embedding, the LM
-head (or tied embeddings) and what a forward returns in each mode. The attribute names of the embedding and the final
-norm differ per family (they mirror transformers' parameter names, which the bridge maps by rule)."""
+head (or tied embeddings), what a forward returns in each mode, and the multi-token-prediction (MTP) draft step. The
+attribute names of the embedding and the final norm differ per family (they mirror transformers' parameter names,
+which the bridge maps by rule).
+
+Each family implements `_hidden_states` (its layer stack and final norm) and, when its config declares MTP layers,
+`_mtp_hidden` (one MTP layer) and `mtp_checkpoint_prefixes` (where checkpoints keep the MTP layers' tensors).
+"""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxmodels.layers.linear import linear, lm_logits
-from jaxmodels.precision import matmul_precision_for
+from jaxmodels.precision import matmul_precision_for, precision_scope
 from jaxmodels.step_context import StepContext
 
 
 class CausalLM(nnx.Module):
     EMBEDDING = "embed_tokens"  # the attribute holding the nnx.Embed
+    # Tensors stored under each MTP layer's checkpoint prefix that copy the target's embedding or LM head: loading
+    # skips them and the MTP layers use the target's.
+    MTP_COPIES_OF_TARGET: tuple[str, ...] = ()
 
     def _init_model(self, config, dtype, matmul_precision: str | None, rngs: nnx.Rngs | None) -> nnx.Rngs:
         """Set the config, dtype, precision and embedding; returns the rngs the layers draw from next."""
@@ -30,6 +38,53 @@ class CausalLM(nnx.Module):
             self.lm_head = linear(self.config.hidden_size, self.config.vocab_size, axes=("embed", "vocab"), rngs=rngs,
                                   dtype=self.dtype)
 
+    @classmethod
+    def mtp_checkpoint_prefixes(cls, config) -> dict[str, str]:
+        """{param path prefix: checkpoint name prefix} of the MTP layers `config` declares (empty for none)."""
+        return {}
+
+    def __call__(self, input_ids: jax.Array, step: StepContext | None = None, caches: list | None = None,
+                 **options):
+        """Without a step: int32[B, T] -> float32[B, T, V], the full causal forward with no cache.
+
+        With one: the step's packed int32[T] over `caches` (as `cache_shapes` lays them out) ->
+        (logits float32[R, V] of the step's `logit_rows`, updated caches). `options` are the family's (see its
+        `_hidden_states`).
+        """
+        with precision_scope(self.matmul_precision):
+            hidden, caches = self._hidden_states(input_ids, step, caches, **options)
+            if step is None:
+                return self.logits(hidden)
+            return self.logits(hidden[step.logit_rows]), caches
+
+    def hidden_states(self, input_ids: jax.Array, **options) -> jax.Array:
+        """int32[B, T] -> [B, T, H]: the last hidden states of the full causal forward, final norm applied: what the
+        LM head reads, and what the MTP layers draft from (`mtp_step`)."""
+        with precision_scope(self.matmul_precision):
+            return self._hidden_states(input_ids, None, None, **options)[0]
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """How many MTP layers the model has (0: it cannot draft tokens for speculative decoding)."""
+        return self.config.num_nextn_predict_layers
+
+    def mtp_step(self, hidden: jax.Array, next_tokens: jax.Array, *, depth: int = 0, **options):
+        """One MTP draft step over whole sequences: (logits float32[B, T, V], hidden [B, T, H]).
+
+        At depth 0, `hidden`[:, t] is the target's `hidden_states` at position t and `next_tokens`[:, t] the token
+        at t + 1; the logits predict the token at t + 2. A deeper step takes the hidden this step returns and the
+        tokens one further on, and runs MTP layer `depth % num_mtp_layers` (a model with one MTP layer reuses it
+        for every depth, as SGLang and vLLM do). Each step attends causally over the sequence, at the target's
+        positions 0..T-1.
+        """
+        if not self.num_mtp_layers:
+            raise ValueError("the model has no multi-token-prediction (MTP) layers, so it cannot draft tokens: its "
+                             "config declares none (num_nextn_predict_layers = 0), or load_model was given "
+                             "load_mtp=False")
+        with precision_scope(self.matmul_precision):
+            hidden = self._mtp_hidden(depth % self.num_mtp_layers, hidden, self.embed(next_tokens), **options)
+            return self.logits(hidden), hidden
+
     def embed(self, input_ids) -> jax.Array:
         return getattr(self, self.EMBEDDING)(jnp.asarray(input_ids, jnp.int32))
 
@@ -40,10 +95,3 @@ class CausalLM(nnx.Module):
     def _layer_caches(self, caches: list | None) -> list:
         """A list to fill with each layer's updated cache: the step's caches, or one None per layer without a step."""
         return list(caches) if caches is not None else [None] * len(self.layers)
-
-    def _output(self, hidden: jax.Array, step: StepContext | None, caches: list):
-        """Final-normed hidden -> the forward's result: all logits without a step, else (logits of the step's
-        `logit_rows`, caches)."""
-        if step is None:
-            return self.logits(hidden)
-        return self.logits(hidden[step.logit_rows]), caches

@@ -5,6 +5,14 @@ One forward serves every mode (see jaxmodels.step_context): full sequences, or t
 steps over paged KV caches and Mamba state pools (one cache per attention / Mamba layer).
 Parameter names mirror transformers' `NemotronHForCausalLM` (without the `backbone.`/`model.` prefix), so the
 bridge maps checkpoints by rule rather than by table.
+
+Multi-token prediction (see jaxmodels.layers.mtp), which transformers does not load. Layout read in vLLM's and
+SGLang's `nemotron_h_mtp.py` (and Megatron-LM's `multi_token_prediction.py`, which trains these layers): each of the
+`num_nextn_predict_layers` MTP layers is a run of ordinary blocks of the kinds `mtp_layers_block_type` lists
+(legacy: the `mtp_hybrid_override_pattern` string, e.g. "*E"), all stored flat at the checkpoint's top level as
+`mtp.layers.{j}.norm.weight`, `mtp.layers.{j}.mixer.*`. The first block of each MTP layer also holds
+`enorm.weight`, `hnorm.weight` and `eh_proj.weight` [H, 2H]; the last holds `final_layernorm.weight`. The MTP layers
+share the target's embedding and LM head (the checkpoint has no copies).
 """
 
 import jax
@@ -16,9 +24,9 @@ from jaxmodels.layers.attention import GQAAttention
 from jaxmodels.layers.mamba2 import Mamba2Mixer
 from jaxmodels.layers.mlp import MLP
 from jaxmodels.layers.moe import MoE
+from jaxmodels.layers.mtp import MTPInputFusion
 from jaxmodels.layers.norms import RMSNorm
 from jaxmodels.models.causal_lm import CausalLM
-from jaxmodels.precision import precision_scope
 from jaxmodels.step_context import StepContext
 
 CACHED_KINDS = ("attention", "mamba")
@@ -66,6 +74,42 @@ class NemotronHBlock(nnx.Module):
         return hidden + x, cache
 
 
+class NemotronHMTPBlock(MTPInputFusion, NemotronHBlock):
+    """A block of an MTP layer. The layer's first block also fuses the layer's inputs, its last ends with
+    `final_layernorm`: the checkpoint keeps those weights on these blocks."""
+
+    def __init__(self, config: NemotronHConfig, kind: str, *, opens_layer: bool, closes_layer: bool,
+                 rngs: nnx.Rngs, dtype):
+        super().__init__(config, kind, rngs=rngs, dtype=dtype)
+        if opens_layer:
+            self.init_input_fusion(config.hidden_size, config.layer_norm_epsilon, rngs=rngs, dtype=dtype,
+                                   scale_in_float32=True)
+        if closes_layer:
+            self.final_layernorm = RMSNorm(config.hidden_size, config.layer_norm_epsilon, dtype=dtype)
+
+
+class NemotronHMTP(nnx.Module):
+    """The MTP layers, their blocks in one flat list as checkpoints number them (`mtp.layers.{j}`)."""
+
+    def __init__(self, config: NemotronHConfig, *, rngs: nnx.Rngs, dtype):
+        kinds = config.mtp_layer_types if config.num_nextn_predict_layers else ()
+        self.blocks_per_layer = len(kinds)
+        self.layers = nnx.List([
+            NemotronHMTPBlock(config, kind, opens_layer=j == 0, closes_layer=j == len(kinds) - 1, rngs=rngs,
+                              dtype=dtype)
+            for _ in range(config.num_nextn_predict_layers) for j, kind in enumerate(kinds)])
+
+    def __call__(self, index: int, hidden: jax.Array, token_embeddings: jax.Array) -> jax.Array:
+        """MTP layer `index` over whole sequences: [B, T, H] hidden states and next-token embeddings -> its normed
+        output [B, T, H]."""
+        first = index * self.blocks_per_layer
+        blocks = self.layers[first : first + self.blocks_per_layer]
+        hidden = blocks[0].fuse_inputs(token_embeddings, hidden)
+        for block in blocks:
+            hidden, _ = block(hidden)
+        return blocks[-1].final_layernorm(hidden)
+
+
 class NemotronHForCausalLM(CausalLM):
     HF_BASE_PREFIX = "backbone."  # NVIDIA's published checkpoints; transformers writes the same on save
     EMBEDDING = "embeddings"
@@ -76,6 +120,11 @@ class NemotronHForCausalLM(CausalLM):
         self.layers = nnx.List([NemotronHBlock(config, kind, rngs=rngs, dtype=dtype) for kind in config.layer_types])
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon, dtype=dtype)
         self._init_head(rngs)
+        self.mtp = NemotronHMTP(config, rngs=rngs, dtype=dtype)
+
+    @classmethod
+    def mtp_checkpoint_prefixes(cls, config: NemotronHConfig) -> dict[str, str]:
+        return {"mtp.": "mtp."} if config.num_nextn_predict_layers else {}
 
     def cache_shapes(self, sizes, *, mamba_ssm_cache_dtype=None) -> list:
         """Per layer, the ShapeDtypeStructs of its serving cache (None for MLP / MoE blocks); `sizes` gives
@@ -91,15 +140,13 @@ class NemotronHForCausalLM(CausalLM):
                 shapes.append(None)
         return shapes
 
-    def __call__(self, input_ids: jax.Array, step: StepContext | None = None, caches: list | None = None):
-        """Without a step: int32[B, T] -> float32[B, T, V], the full causal forward with no cache.
+    def _hidden_states(self, input_ids: jax.Array, step: StepContext | None, caches: list | None):
+        """The forward (see CausalLM.__call__) up to the LM head: (final-normed hidden states, updated caches)."""
+        hidden = self.embed(input_ids)
+        caches = self._layer_caches(caches)
+        for i, block in enumerate(self.layers):
+            hidden, caches[i] = block(hidden, step, caches[i])
+        return self.norm_f(hidden), caches
 
-        With one: the step's packed int32[T] over `caches` (as `cache_shapes` lays them out) ->
-        (logits float32[R, V] of the step's `logit_rows`, updated caches).
-        """
-        with precision_scope(self.matmul_precision):
-            hidden = self.embed(input_ids)
-            caches = self._layer_caches(caches)
-            for i, block in enumerate(self.layers):
-                hidden, caches[i] = block(hidden, step, caches[i])
-            return self._output(self.norm_f(hidden), step, caches)
+    def _mtp_hidden(self, index: int, hidden: jax.Array, token_embeddings: jax.Array) -> jax.Array:
+        return self.mtp(index, hidden, token_embeddings)

@@ -1,5 +1,5 @@
 """DSA checkpoints (DeepSeek-V3.2, GLM-5) that do not fit the model, or bad config fields, fail naming what is wrong;
-MTP layers stored after the last decoder layer are skipped, as transformers skips them."""
+the MTP layers stored after the last decoder layer are loaded, and nothing beyond them."""
 
 import json
 
@@ -61,22 +61,28 @@ def test_indexer_on_a_shared_glm_layer_is_unexpected(glm_checkpoint, tmp_path):
         jaxmodels.load_model(path, progress=False)
 
 
-def test_mtp_layers_are_skipped_but_nothing_beyond(good_checkpoint, tmp_path):
+def test_mtp_layer_is_loaded_but_nothing_beyond(good_checkpoint, tmp_path):
     """num_nextn_predict_layers = 1 and 3 decoder layers: `layers.3.*` is the MTP layer; `layers.4.*` is junk."""
+    def declare_mtp(config):
+        config["num_nextn_predict_layers"] = 1
+
     def add_mtp(tensors):
         for name in [n for n in tensors if n.startswith("model.layers.2.")]:
             tensors[name.replace("layers.2.", "layers.3.")] = tensors[name]
+        tensors["model.layers.3.enorm.weight"] = np.ones((48,), np.float32)
+        tensors["model.layers.3.hnorm.weight"] = np.ones((48,), np.float32)
         tensors["model.layers.3.eh_proj.weight"] = np.zeros((48, 96), np.float32)
+        tensors["model.layers.3.shared_head.norm.weight"] = np.ones((48,), np.float32)
 
-    path = edited_copy(good_checkpoint, tmp_path / "mtp", edit_tensors=add_mtp)
+    path = edited_copy(good_checkpoint, tmp_path / "mtp", edit_tensors=add_mtp, edit_config=declare_mtp)
     model = jaxmodels.load_model(path, progress=False)
-    assert len(model.layers) == 3
+    assert (len(model.layers), len(model.mtp_layers)) == (3, 1)
 
     def add_junk(tensors):
         add_mtp(tensors)
         tensors["model.layers.4.input_layernorm.weight"] = np.ones((48,), np.float32)
 
-    path = edited_copy(good_checkpoint, tmp_path / "junk", edit_tensors=add_junk)
+    path = edited_copy(good_checkpoint, tmp_path / "junk", edit_tensors=add_junk, edit_config=declare_mtp)
     with pytest.raises(CheckpointError, match=r"unexpected(.|\n)*layers\.4\.input_layernorm\.weight"):
         jaxmodels.load_model(path, progress=False)
 

@@ -58,6 +58,10 @@ def test_infinite_time_step_limit_in_json(tmp_path):
     ({"hidden_size": 0}, "hidden_size"),
     ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
     ({"vocab_size": None}, "vocab_size"),
+    ({"num_nextn_predict_layers": 1}, "mtp_layers_block_type"),  # MTP layers of no given kinds
+    ({"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["linear_attention", "moe"]}, "mtp_layers_block_type"),
+    ({"num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*X"}, "mtp_hybrid_override_pattern"),
+    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
 ])
 def test_invalid_fields_are_named(change, field):
     with pytest.raises(ConfigError) as err:
@@ -73,3 +77,17 @@ def test_pattern_letter_error_lists_valid_letters():
 
 def test_time_step_min_default_matches_transformers():
     assert math.isclose(load_config(CANONICAL).time_step_min, 0.001)
+
+
+def test_mtp_pattern_equals_mtp_block_types():
+    listed = load_config({**CANONICAL, "num_nextn_predict_layers": 1,
+                          "mtp_layers_block_type": ["full_attention", "moe"]})
+    assert listed.mtp_layer_types == ("attention", "moe")
+    assert load_config({**CANONICAL, "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}) == listed
+
+
+def test_mtp_block_types_without_mtp_layers_are_ignored():
+    """transformers writes its default `mtp_layers_block_type` into every config, MTP layers or not."""
+    config = load_config({**CANONICAL, "num_nextn_predict_layers": 0,
+                          "mtp_layers_block_type": ["full_attention", "moe"]})
+    assert config.mtp_layer_types == ()

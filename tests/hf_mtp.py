@@ -1,0 +1,129 @@
+"""Reference multi-token-prediction (MTP) layers in torch, for parity tests: transformers does not build MTP layers,
+so these assemble one from transformers' own layer classes, and give its weights under the names published
+checkpoints use (for `hf_models.append_tensors`).
+
+A reference MTP layer is `eh_proj([enorm(embedding of token t+1) ; hnorm(h_t)])` fed as `inputs_embeds` to a
+transformers base model of the family whose layers are the MTP layer's decoder layer (DeepSeek-V3.2, GLM-5) or
+blocks (Nemotron-H) and whose final norm is the MTP layer's; the target's LM head turns its output into logits. h_t is
+the target's `last_hidden_state`, final norm applied (transformers' `hidden_states[-1]` is the same tensor).
+"""
+
+import os
+import tempfile
+
+import torch
+from safetensors.torch import load_file
+
+from tests.hf_models import append_tensors, make_dsa, make_nemotron_h, perturb_norms_and_router_biases, save
+
+VARIANTS = ("deepseek_v32", "glm_moe_dsa", "nemotron_h_moe")
+
+
+class ReferenceMTPLayer(torch.nn.Module):
+    def __init__(self, stack, final_norm: torch.nn.Module, eps: float):
+        super().__init__()
+        hidden_size = stack.config.hidden_size
+        self.enorm = type(final_norm)(hidden_size, eps=eps)
+        self.hnorm = type(final_norm)(hidden_size, eps=eps)
+        self.eh_proj = torch.nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.stack = stack
+
+    def forward(self, hidden: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
+        fused = self.eh_proj(torch.cat([self.enorm(token_embeddings), self.hnorm(hidden)], dim=-1))
+        return self.stack(inputs_embeds=fused).last_hidden_state
+
+    def fusion_tensors(self, prefix: str) -> dict:
+        """{checkpoint name: tensor} of `enorm`, `hnorm` and `eh_proj`, under `prefix`."""
+        return {prefix + name: tensor for name, tensor in self.state_dict().items() if not name.startswith("stack.")}
+
+
+def save_with_mtp(variant: str, directory, seed: int = 1):
+    """A tiny target whose config declares one MTP layer (`variant`: one of VARIANTS), saved to `directory` with a
+    random reference MTP layer's tensors appended. Returns (target, reference MTP layer)."""
+    if variant == "nemotron_h_moe":
+        target = make_nemotron_h("moe", num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"])
+        mtp_layer = nemotron_h_mtp_layer(target, seed)
+        tensors = nemotron_h_published_tensors(target, mtp_layer)
+    else:
+        target = make_dsa(variant, num_nextn_predict_layers=1)
+        mtp_layer = dsa_mtp_layer(target, seed)
+        tensors = dsa_published_tensors(target, mtp_layer)
+    append_tensors(save(target, directory), tensors)
+    return target, mtp_layer
+
+
+def chained_draft_logits(target, mtp_layer, input_ids, depths: int) -> list[torch.Tensor]:
+    """The logits of `depths` chained drafts over whole sequences: draft d reads the hidden state draft d - 1 returned
+    (the target's at d = 0) at positions 0..T-d-2 and the tokens at d + 1.., and predicts the tokens at d + 2..."""
+    input_ids = torch.as_tensor(input_ids)
+    with torch.no_grad():
+        hidden = target.model(input_ids).last_hidden_state
+        logits = []
+        for depth in range(depths):
+            hidden = mtp_layer(hidden[:, :-1], target.get_input_embeddings()(input_ids[:, depth + 1 :]))
+            logits.append(target.lm_head(hidden).float())
+    return logits
+
+
+def dsa_mtp_layer(target, seed: int) -> ReferenceMTPLayer:
+    """A random MTP layer for a DeepSeek-V3.2 / GLM-5 `target`: a MoE decoder layer with its own indexer."""
+    raw = target.config.to_dict()
+    # The attention kind's name differs across transformers versions: keep the target's own for the one layer.
+    one_layer = dict(num_hidden_layers=1, mlp_layer_types=["sparse"], layer_types=raw.get("layer_types", [])[:1],
+                     indexer_types=["full"])
+    raw.update({key: value for key, value in one_layer.items() if key in raw})
+    torch.manual_seed(seed)
+    stack = type(target.model)(type(target.config).from_dict(raw)).eval()
+    layer = ReferenceMTPLayer(stack, stack.norm, target.config.rms_norm_eps).eval()
+    perturb_norms_and_router_biases(layer)
+    return layer
+
+
+def dsa_published_tensors(target, mtp_layer: ReferenceMTPLayer) -> dict:
+    """{checkpoint name: tensor} of the MTP layer, stored as DeepSeek does: decoder layer `num_hidden_layers`, with
+    copies of the target's embedding and LM head."""
+    prefix = f"model.layers.{target.config.num_hidden_layers}."
+    others = {"norm.weight": prefix + "shared_head.norm.weight", "embed_tokens.weight": None}
+    tensors = _renamed(_saved_tensors(mtp_layer.stack), layers=("layers.0.", prefix), others=others)
+    copies = {prefix + "embed_tokens.weight": target.model.embed_tokens.weight,
+              prefix + "shared_head.head.weight": target.lm_head.weight}
+    return {**tensors, **mtp_layer.fusion_tensors(prefix), **copies}
+
+
+def nemotron_h_mtp_layer(target, seed: int) -> ReferenceMTPLayer:
+    """A random MTP layer for a Nemotron-H `target`, of the blocks its config's `mtp_layers_block_type` lists."""
+    raw = target.config.to_dict()
+    raw["layers_block_type"] = raw["mtp_layers_block_type"]
+    torch.manual_seed(seed)
+    stack = type(target.model)(type(target.config).from_dict(raw)).eval()
+    layer = ReferenceMTPLayer(stack, stack.norm_f, target.config.layer_norm_epsilon).eval()
+    perturb_norms_and_router_biases(layer)
+    return layer
+
+
+def nemotron_h_published_tensors(target, mtp_layer: ReferenceMTPLayer) -> dict:
+    """{checkpoint name: tensor} of the MTP layer as NVIDIA stores it: blocks `mtp.layers.{j}` at the top level, the
+    fusion on the first block and `final_layernorm` on the last; no copies of the embedding or LM head."""
+    last = len(target.config.mtp_layers_block_type) - 1
+    others = {"norm_f.weight": f"mtp.layers.{last}.final_layernorm.weight", "embeddings.weight": None}
+    tensors = _renamed(_saved_tensors(mtp_layer.stack), layers=("layers.", "mtp.layers."), others=others)
+    return {**tensors, **mtp_layer.fusion_tensors("mtp.layers.0.")}
+
+
+def _saved_tensors(model) -> dict:
+    """`model`'s weights as `save_pretrained` writes them: the published layout, one tensor per expert."""
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def _renamed(tensors: dict, *, layers: tuple[str, str], others: dict) -> dict:
+    """`tensors` under their checkpoint names: the names under the prefix `layers[0]` move under `layers[1]`, the
+    others as `others` maps them (None: dropped; a name it lacks fails)."""
+    old_prefix, new_prefix = layers
+    renamed = {}
+    for name, tensor in tensors.items():
+        new_name = new_prefix + name.removeprefix(old_prefix) if name.startswith(old_prefix) else others[name]
+        if new_name is not None:
+            renamed[new_name] = tensor
+    return renamed
