@@ -62,6 +62,9 @@ class Engine:
         memory still free after the weights (the rest is left for activations and compilation); else enough for
         max_batch_size requests of max_seq_len tokens.
 
+        On a `mesh` with a "dp" axis of size dp, each data-parallel group serves max_batch_size / dp requests from
+        its own pools: `num_pages`, `decode_sizes` and `prefill_sizes` are per group (see engine.runner).
+
         `overlap=False` reads every step's tokens before scheduling the next (same outputs, slower).
         `mamba_ssm_cache_dtype` overrides the config's SSM state dtype (e.g. "bfloat16" halves the state traffic).
         `matmul_precision` overrides the precision the model's dtype implies (see jaxmodels.precision).

@@ -144,12 +144,12 @@ class Runner:
         rows = PartitionSpec(DP)
         forward_specs = dict(in_specs=([_group_axis_only(param_specs[name]) for name in self.param_names],
                                        group_specs, rows, rows), out_specs=(rows, group_specs))
+        # Pinning the caches' output shardings keeps every step's inputs on the layout it was compiled for.
         self._forward = {
             kind: jax.jit(jax.shard_map(_forward_fn(self.step, kind, self.param_names, DP), mesh=mesh,
                                         axis_names=frozenset({DP}), check_vma=False, **forward_specs),
                           donate_argnums=1, out_shardings=(by_group, cache_shardings))
             for kind in StepKind}
-        # Pinning the caches' output shardings keeps every step's inputs on the layout it was compiled for.
         self._samplers = {
             mode: jax.jit(jax.shard_map(_sampler_fn(mode), mesh=mesh, in_specs=(rows, rows, rows),
                                         out_specs=(rows, rows), axis_names=frozenset({DP}), check_vma=False),
