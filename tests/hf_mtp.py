@@ -65,6 +65,16 @@ def chained_draft_logits(target, mtp_layer, input_ids, depths: int) -> list[torc
     return logits
 
 
+def _reference_layer(target, raw: dict, seed: int, *, final_norm: str, eps: float) -> ReferenceMTPLayer:
+    """The MTP layer around a random stack of the target's family built from config dict `raw`, its final norm
+    (attribute `final_norm` of the stack) closing the layer; norms and router biases perturbed."""
+    torch.manual_seed(seed)
+    stack = type(target.model)(type(target.config).from_dict(raw)).eval()
+    layer = ReferenceMTPLayer(stack, getattr(stack, final_norm), eps).eval()
+    perturb_norms_and_router_biases(layer)
+    return layer
+
+
 def dsa_mtp_layer(target, seed: int) -> ReferenceMTPLayer:
     """A random MTP layer for a DeepSeek-V3.2 / GLM-5 `target`: a MoE decoder layer with its own indexer."""
     raw = target.config.to_dict()
@@ -72,11 +82,7 @@ def dsa_mtp_layer(target, seed: int) -> ReferenceMTPLayer:
     one_layer = dict(num_hidden_layers=1, mlp_layer_types=["sparse"], layer_types=raw.get("layer_types", [])[:1],
                      indexer_types=["full"])
     raw.update({key: value for key, value in one_layer.items() if key in raw})
-    torch.manual_seed(seed)
-    stack = type(target.model)(type(target.config).from_dict(raw)).eval()
-    layer = ReferenceMTPLayer(stack, stack.norm, target.config.rms_norm_eps).eval()
-    perturb_norms_and_router_biases(layer)
-    return layer
+    return _reference_layer(target, raw, seed, final_norm="norm", eps=target.config.rms_norm_eps)
 
 
 def dsa_published_tensors(target, mtp_layer: ReferenceMTPLayer) -> dict:
@@ -94,11 +100,7 @@ def nemotron_h_mtp_layer(target, seed: int) -> ReferenceMTPLayer:
     """A random MTP layer for a Nemotron-H `target`, of the blocks its config's `mtp_layers_block_type` lists."""
     raw = target.config.to_dict()
     raw["layers_block_type"] = raw["mtp_layers_block_type"]
-    torch.manual_seed(seed)
-    stack = type(target.model)(type(target.config).from_dict(raw)).eval()
-    layer = ReferenceMTPLayer(stack, stack.norm_f, target.config.layer_norm_epsilon).eval()
-    perturb_norms_and_router_biases(layer)
-    return layer
+    return _reference_layer(target, raw, seed, final_norm="norm_f", eps=target.config.layer_norm_epsilon)
 
 
 def nemotron_h_published_tensors(target, mtp_layer: ReferenceMTPLayer) -> dict:

@@ -8,16 +8,23 @@ from jaxmodels.layers.group_parallel import across_groups
 from jaxmodels.layers.linear import ACTIVATIONS, linear
 
 
-def _split_intermediate(module, intermediate_size: int) -> bool:
-    """Whether this group holds a slice of the intermediate dimension (see group_parallel). A slice's output is a
-    partial sum only without an output bias, which every group would add again."""
-    split = module.down_proj.kernel.shape[0] < intermediate_size
-    if split and module.down_proj.bias is not None:
-        raise NotImplementedError("an MLP with biases cannot be split over dp groups; use tp")
-    return split
+class _FeedForward(nnx.Module):
+    """What both MLPs share: run on this group's tokens, or across dp groups when the intermediate dimension is
+    split over them (see group_parallel). Subclasses define `forward` and set `intermediate_size`."""
+
+    def is_split(self) -> bool:
+        """Whether this group holds a slice of the intermediate dimension. A slice's output is a partial sum only
+        without an output bias, which every group would add again."""
+        split = self.down_proj.kernel.shape[0] < self.intermediate_size
+        if split and self.down_proj.bias is not None:
+            raise NotImplementedError("an MLP with biases cannot be split over dp groups; use tp")
+        return split
+
+    def __call__(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
+        return across_groups(x, dp_axis, [(self.forward, self.is_split())])
 
 
-class MLP(nnx.Module):
+class MLP(_FeedForward):
     """Non-gated MLP `down(act(up(x)))` (Nemotron-H's `-` layers and shared experts; relu² by default)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -31,14 +38,8 @@ class MLP(nnx.Module):
     def forward(self, x: jax.Array) -> jax.Array:
         return self.down_proj(ACTIVATIONS[self.activation](self.up_proj(x)))
 
-    def is_split(self) -> bool:
-        return _split_intermediate(self, self.intermediate_size)
 
-    def __call__(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
-        return across_groups(x, dp_axis, [(self.forward, self.is_split())])
-
-
-class GatedMLP(nnx.Module):
+class GatedMLP(_FeedForward):
     """Gated MLP `down(act(gate(x)) * up(x))` (DeepSeek's dense layers and shared experts; SwiGLU by default)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -53,9 +54,3 @@ class GatedMLP(nnx.Module):
 
     def forward(self, x: jax.Array) -> jax.Array:
         return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
-
-    def is_split(self) -> bool:
-        return _split_intermediate(self, self.intermediate_size)
-
-    def __call__(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
-        return across_groups(x, dp_axis, [(self.forward, self.is_split())])
