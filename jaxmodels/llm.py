@@ -44,14 +44,16 @@ class LLM:
                  num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None,
                  memory_fraction: float | None = None, matmul_precision: str | None = None, overlap: bool = True,
-                 mamba_ssm_cache_dtype: str | None = None):
+                 mamba_ssm_cache_dtype: str | None = None, num_speculative_tokens: int = 0):
         """Load `path` (an HF checkpoint directory, or `model=` an already built model) and start the engine.
 
         `dtype` is the weights' and activations' dtype and the compute precision (float32 means full float32
         matmuls on the GPU too; `matmul_precision` overrides, see jaxmodels.precision). `overlap` schedules each
         step while the previous one runs on the device (same outputs). `mamba_ssm_cache_dtype` overrides the
         config's SSM state dtype ("bfloat16" halves the state traffic of Nemotron-H decode; float32 by default).
-        The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
+        `num_speculative_tokens` k (0: off) drafts k tokens per step with the checkpoint's multi-token-prediction
+        layers and verifies them in one target step; outputs are those of plain decoding (see
+        jaxmodels.engine.speculative), `metrics()` reports the accept rate. The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).
         """
         # dp x tp devices: each of the dp groups serves its own requests from its own cache pools (max_batch_size
@@ -59,16 +61,19 @@ class LLM:
         # all devices, their layers exchanging tokens between groups (see sharding.rules, engine.runner).
         mesh = make_mesh(dp, tp) if dp * tp > 1 else None
         path = resolve_model_path(path) if path is not None else None  # a Hub id -> its snapshot directory
-        # The engine does not draft tokens yet: MTP layers would only take memory (a DeepSeek one is an MoE layer).
+        # MTP layers are loaded only to draft with: otherwise they would only take memory (a DeepSeek one is an MoE
+        # layer).
         model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress,
-                                                           matmul_precision=matmul_precision, load_mtp=False)
+                                                           matmul_precision=matmul_precision,
+                                                           load_mtp=num_speculative_tokens > 0)
         self.tokenizer = load_tokenizer(path) if path is not None else None
         self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,
                              warmup=warmup, progress=progress, prefill_sizes=prefill_sizes,
                              decode_sizes=decode_sizes, mesh=mesh, memory_fraction=memory_fraction,
                              matmul_precision=matmul_precision, overlap=overlap,
-                             mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
+                             mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+                             num_speculative_tokens=num_speculative_tokens)
         # Over a mesh the engine holds the only copy of the weights, sharded: keeping the loaded model here would
         # keep a whole unsharded copy alive beside it.
         self.model = model if mesh is None else None

@@ -5,7 +5,11 @@ A model's forward is one function for every mode (`model(tokens, step=None, cach
   * with a step: the engine's packed tokens[T] of several requests, over paged caches. Its kind is
     - `EXTEND`: chunks of prompts (a whole prompt, or the next chunk of a long one: chunked prefill), packed back to
       back by `cu_seqlens`;
-    - `DECODE`: one token per request.
+    - `DECODE`: one token per request;
+    - `VERIFY`: speculative decoding's check, the same number of tokens per request (its last token and the drafts
+      after it), every token's logits returned. Attention treats it as an extend; recurrent layers compute the
+      outputs but leave their state pools as they were and return what `commit_verified` needs to advance them by
+      the tokens that turn out accepted.
 The context is a pytree built inside the jitted step from the host's batch, so what is derived from the batch (each
 token's sequence) is computed once per step, not once per layer; `write` stores a layer's new cache rows.
 
@@ -31,6 +35,7 @@ class StepKind(str, enum.Enum):
 
     EXTEND = "extend"
     DECODE = "decode"
+    VERIFY = "verify"
 
 
 @jax.tree_util.register_dataclass
@@ -83,6 +88,18 @@ class StepContext:
                    cu_seqlens=cu_seqlens, page_table=_with_null_row(page_table), slot_ids=slot_ids,
                    has_prefix=has_prefix, prompt_lens=prompt_lens,
                    logit_rows=jnp.clip(cu_seqlens[1:] - 1, 0, num_tokens - 1), dp_axis=dp_axis)
+
+    @classmethod
+    def verify(cls, *, positions, page_table, slot_ids, prompt_lens, dp_axis: str | None = None) -> "StepContext":
+        """positions int32[S, L]: L consecutive positions per request (its last token's, then the drafts'), packed
+        row by row; every token's logits are returned, in that order."""
+        num_seqs, length = positions.shape
+        return cls(kind=StepKind.VERIFY, positions=positions.reshape(-1),
+                   seq_ids=jnp.repeat(jnp.arange(num_seqs, dtype=jnp.int32), length),
+                   cu_seqlens=jnp.arange(num_seqs + 1, dtype=jnp.int32) * length,
+                   page_table=_with_null_row(page_table), slot_ids=slot_ids, has_prefix=jnp.ones(num_seqs, bool),
+                   prompt_lens=prompt_lens, logit_rows=jnp.arange(num_seqs * length, dtype=jnp.int32),
+                   dp_axis=dp_axis)
 
     @classmethod
     def decode(cls, *, positions, page_table, slot_ids, dp_axis: str | None = None) -> "StepContext":

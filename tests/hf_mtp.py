@@ -40,16 +40,19 @@ class ReferenceMTPLayer(torch.nn.Module):
 def save_with_mtp(variant: str, directory, seed: int = 1):
     """A tiny target whose config declares one MTP layer (`variant`: one of VARIANTS), saved to `directory` with a
     random reference MTP layer's tensors appended. Returns (target, reference MTP layer)."""
+    target, mtp_layer, published, _ = _target_with_mtp_layer(variant, seed)
+    append_tensors(save(target, directory), published(target, mtp_layer))
+    return target, mtp_layer
+
+
+def _target_with_mtp_layer(variant: str, seed: int):
+    """(target, random reference MTP layer, the function giving its published tensors, the attribute name of the
+    family's final norm)."""
     if variant == "nemotron_h_moe":
         target = make_nemotron_h("moe", num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"])
-        mtp_layer = nemotron_h_mtp_layer(target, seed)
-        tensors = nemotron_h_published_tensors(target, mtp_layer)
-    else:
-        target = make_dsa(variant, num_nextn_predict_layers=1)
-        mtp_layer = dsa_mtp_layer(target, seed)
-        tensors = dsa_published_tensors(target, mtp_layer)
-    append_tensors(save(target, directory), tensors)
-    return target, mtp_layer
+        return target, nemotron_h_mtp_layer(target, seed), nemotron_h_published_tensors, "norm_f"
+    target = make_dsa(variant, num_nextn_predict_layers=1)
+    return target, dsa_mtp_layer(target, seed), dsa_published_tensors, "norm"
 
 
 def chained_draft_logits(target, mtp_layer, input_ids, depths: int) -> list[torch.Tensor]:
@@ -129,3 +132,35 @@ def _renamed(tensors: dict, *, layers: tuple[str, str], others: dict) -> dict:
         if new_name is not None:
             renamed[new_name] = tensor
     return renamed
+
+
+# The projections that write a layer's output back into the residual stream (attention, Mamba, MLP, experts).
+OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
+def save_with_drafting_mtp(variant: str, directory, *, target_scale: float, seed: int = 1):
+    """A checkpoint (`variant`: one of VARIANTS) whose MTP layer drafts what a context-free target would predict,
+    for tests of acceptance. Returns the target.
+
+    The MTP layer's own blocks add nothing (their output projections are zero), `eh_proj` passes the next token's
+    normed embedding through and drops the hidden state, and its final norm is the target's: it maps the token at
+    t + 1 to lm_head(norm(embedding)), i.e. the token the target would predict after it if the target's layers added
+    nothing either. The target's output projections are scaled by `target_scale`: at 0 the target is exactly that
+    context-free map (RMS norm is scale invariant, so norm(enorm(e)) = norm(e) up to its epsilon) and every draft is
+    accepted; a small scale makes the target depend on its context (Mamba state and attention included) while most
+    drafts still agree.
+    """
+    target, mtp_layer, published, final_norm = _target_with_mtp_layer(variant, seed)
+    hidden_size = target.config.hidden_size
+    with torch.no_grad():
+        for name, tensor in target.model.layers.named_parameters():
+            if name.endswith(OUTPUT_PROJECTIONS):
+                tensor.mul_(target_scale)
+        for name, tensor in mtp_layer.stack.named_parameters():
+            if name.endswith(OUTPUT_PROJECTIONS):
+                tensor.zero_()
+        mtp_layer.eh_proj.weight.copy_(torch.cat([torch.eye(hidden_size), torch.zeros(hidden_size, hidden_size)], 1))
+        mtp_layer.enorm.weight.fill_(1.0)
+        getattr(mtp_layer.stack, final_norm).weight.copy_(getattr(target.model, final_norm).weight)
+    append_tensors(save(target, directory), published(target, mtp_layer))
+    return target

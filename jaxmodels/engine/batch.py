@@ -42,6 +42,18 @@ class DecodeBatch:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class VerifyBatch:
+    """Speculative decoding's step: per row, the position of its slot's last token; the drafts after it are on the
+    device too (padding rows: slot 0, position 0, an all-zero page row)."""
+
+    positions: np.ndarray  # int32[B]
+    slot_ids: np.ndarray  # int32[B]
+    prompt_lens: np.ndarray  # int32[B]
+    page_table: np.ndarray  # int32[B, pages_per_seq]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplingKnobs:
     """Per row of the logits: the slot its token is stored at, and how to draw it. `step` is the index of the
     output token being drawn, which seeds its randomness."""
@@ -97,3 +109,31 @@ def decode_batch(requests, rows: int, tables) -> tuple[DecodeBatch, SamplingKnob
     positions[:n] = np.fromiter((r.num_computed - 1 for r in requests), np.int32, n)
     batch = DecodeBatch(positions=positions, slot_ids=slot_ids, page_table=tables.page_table[slot_ids])
     return batch, _sampling(tables, slot_ids, positions + 1)
+
+
+def verify_batch(requests, rows: int, tables) -> tuple[VerifyBatch, SamplingKnobs]:
+    """requests: the verify step's requests; each one's num_computed is its last token's position (every token
+    before it is in the caches). The knobs' `step` is the output index of the token after that one."""
+    slot_ids = np.zeros(rows, np.int32)
+    positions = np.zeros(rows, np.int32)
+    n = len(requests)
+    slot_ids[:n] = np.fromiter((r.slot for r in requests), np.int32, n)
+    positions[:n] = np.fromiter((r.num_computed for r in requests), np.int32, n)
+    batch = VerifyBatch(positions=positions, slot_ids=slot_ids, prompt_lens=tables.prompt_len[slot_ids],
+                        page_table=tables.page_table[slot_ids])
+    return batch, _sampling(tables, slot_ids, positions + 1)
+
+
+def next_tokens(chunks, num_tokens: int) -> np.ndarray:
+    """int32[num_tokens]: for each token of an extend batch (`extend_batch`'s packing), the request's token after
+    it; -1 where that token is the one this step samples (the chunk ends the request's known tokens), 0 for padding.
+    What the MTP layer reads beside each hidden state."""
+    out = np.zeros(num_tokens, np.int32)
+    offset = 0
+    for chunk in chunks:
+        start, length, token_ids = chunk.start, chunk.length, chunk.request.token_ids
+        following = token_ids[start + 1: start + length + 1]
+        out[offset: offset + len(following)] = following
+        out[offset + len(following): offset + length] = -1
+        offset += length
+    return out

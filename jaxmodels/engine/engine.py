@@ -6,6 +6,10 @@ finds the next step queued when it finishes one. Decode inputs come from the dev
 nothing waits for the host. Outputs are the same as without overlap: stop conditions are applied when the tokens
 arrive (a request that stopped may run one extra step whose token is dropped), and a preemption, which recomputes a
 request from its tokens, first settles the step in flight.
+
+With speculative decoding (`num_speculative_tokens` k > 0, see engine.speculative) every decode step is a VERIFY
+step that yields 1 to k+1 tokens per request. How many is known only when its results are read, so the loop does not
+overlap then: it reads each step's results before it schedules the next.
 """
 
 import dataclasses
@@ -22,6 +26,8 @@ from jaxmodels.engine.step import ModelStep
 from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")
+
+MAX_SPECULATIVE_TOKENS = 8
 
 
 class InvalidRequest(ValueError):
@@ -47,6 +53,8 @@ class StepTimes:
     generated_tokens: int = 0
     wall_s: float = 0.0  # time inside Engine.step
     wait_s: float = 0.0  # of which blocked on the device's tokens
+    spec_draft_tokens: int = 0  # drafts checked by VERIFY steps (k per request and step)
+    spec_accepted_tokens: int = 0  # of which accepted
 
 
 class Engine:
@@ -54,7 +62,7 @@ class Engine:
                  page_size: int = 16, num_pages: int | None = None, warmup: bool = True, progress: bool = True,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None, mesh=None,
                  memory_fraction: float | None = None, overlap: bool = True, mamba_ssm_cache_dtype=None,
-                 matmul_precision: str | None = None):
+                 matmul_precision: str | None = None, num_speculative_tokens: int = 0):
         """`prefill_sizes` / `decode_sizes` replace the default bucket lists (fewer buckets compile faster; the
         largest prefill bucket is the per-step token budget, the largest decode one must be max_batch_size).
 
@@ -68,6 +76,8 @@ class Engine:
         `overlap=False` reads every step's tokens before scheduling the next (same outputs, slower).
         `mamba_ssm_cache_dtype` overrides the config's SSM state dtype (e.g. "bfloat16" halves the state traffic).
         `matmul_precision` overrides the precision the model's dtype implies (see jaxmodels.precision).
+        `num_speculative_tokens` k > 0 drafts k tokens per step with the model's MTP layers and verifies them in one
+        step (lossless: greedy outputs are the same, sampled ones have the same distribution); it turns overlap off.
         """
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
@@ -75,18 +85,26 @@ class Engine:
         if max_batch_size % dp:
             raise ValueError(f"max_batch_size={max_batch_size} must be a multiple of dp={dp}: each data-parallel "
                              "group serves max_batch_size / dp requests")
+        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}] (0: off), got "
+                             f"{num_speculative_tokens!r}")
         group_batch = max_batch_size // dp
         self.config = model.config
         self.max_seq_len = max_seq_len
-        self.overlap = overlap
+        self.num_speculative_tokens = k = num_speculative_tokens
+        self.overlap = overlap and not k
         prefill_sizes = sorted(prefill_sizes or prefill_buckets(max_prefill_tokens or min(max_seq_len, 1024)))
         decode_sizes = sorted(decode_sizes or decode_buckets(group_batch))
         if decode_sizes[-1] != group_batch:
             raise ValueError(f"the largest decode bucket must be max_batch_size / dp = {group_batch}: {decode_sizes}")
         max_prefill_tokens = prefill_sizes[-1]
-        step = ModelStep(model, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, matmul_precision=matmul_precision)
+        step = ModelStep(model, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, matmul_precision=matmul_precision,
+                         num_speculative_tokens=k)
         # Pools per dp group: each group's slice of the (dp-split) caches is a whole pool with its null page / slot.
-        self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=max_seq_len,
+        # A verify step writes up to 2k positions past a request's last token (see Scheduler._verify_batch): the
+        # page-table rows reach that far.
+        row_len = max_seq_len + 2 * k
+        self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len,
                                            page_size=page_size, num_pages=num_pages)
         if num_pages is None and memory_fraction is not None:
             if not 0 < memory_fraction < 1:
@@ -96,13 +114,14 @@ class Engine:
             # split over tp.
             budget = int(memory_fraction * free_device_memory(devices))
             pages = pages_within(budget, step.cache_shapes, self.sizes)
-            self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=max_seq_len,
+            self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len,
                                                page_size=page_size, num_pages=pages)
         log.info("engine limits: max_batch_size=%d max_seq_len=%d max_prefill_tokens=%d; pools of each of %d dp "
                  "group(s): %d KV pages of %d tokens (page 0 null), %d state slots (slot 0 null)", max_batch_size,
                  max_seq_len, max_prefill_tokens, dp, self.sizes.num_pages, page_size, self.sizes.num_slots)
         self.scheduler = GroupedScheduler(self.sizes, dp, max_batch_size=group_batch,
-                                          max_prefill_tokens=max_prefill_tokens, max_seq_len=max_seq_len)
+                                          max_prefill_tokens=max_prefill_tokens, max_seq_len=max_seq_len,
+                                          num_speculative_tokens=k)
         self.runner = Runner(step, self.sizes, decode_sizes=decode_sizes, prefill_sizes=prefill_sizes,
                              max_seqs_per_extend=group_batch, mesh=mesh)
         if warmup:
@@ -189,15 +208,19 @@ class Engine:
             self.times.wait_s += time.perf_counter() - start
             rows = step.rows_per_group
             per_group = [sampled[g * rows: g * rows + len(work)].tolist() for g, work in enumerate(step.works)]
+            if step.kind is StepKind.VERIFY:
+                self.times.spec_draft_tokens += self.num_speculative_tokens * sum(map(len, per_group))
+                self.times.spec_accepted_tokens += sum(result[-1] for results in per_group for result in results)
+            before = self.scheduler.num_generated
             got += self.scheduler.finish(step.kind, step.works, per_group)
-        self.times.generated_tokens += len(got)
+            self.times.generated_tokens += self.scheduler.num_generated - before
         return got
 
     def _count(self, kind: StepKind, works) -> None:
         self.times.steps += 1
         if kind is StepKind.EXTEND:
             self.times.extend_steps += 1
-        else:
+        else:  # DECODE or VERIFY
             self.times.decode_steps += 1
             self.times.decode_rows += sum(map(len, works))
 
@@ -218,9 +241,11 @@ class Engine:
             running=counts["running"], waiting=counts["waiting"], steps=t.steps, extend_steps=t.extend_steps,
             decode_steps=t.decode_steps, mean_decode_batch=t.decode_rows / max(t.decode_steps, 1),
             generated_tokens=t.generated_tokens, host_s_per_step=host / steps, wall_s_per_step=t.wall_s / steps,
-            host_fraction=host / t.wall_s if t.wall_s else 0.0, preemptions=self.scheduler.num_preemptions,
+                host_fraction=host / t.wall_s if t.wall_s else 0.0, preemptions=self.scheduler.num_preemptions,
             kv_pages_used=pages - counts["free_pages"], kv_pages_total=pages,
-            slots_used=slots - counts["free_slots"], slots_total=slots)
+            slots_used=slots - counts["free_slots"], slots_total=slots,
+            spec_draft_tokens=t.spec_draft_tokens, spec_accepted_tokens=t.spec_accepted_tokens,
+            spec_accept_rate=t.spec_accepted_tokens / t.spec_draft_tokens if t.spec_draft_tokens else 0.0)
 
     def reset_metrics(self) -> None:
         self.times = StepTimes()

@@ -8,6 +8,10 @@ sampler (-> tokens, each stored at its request's slot in `last_tokens`, where th
 The host picks the sampler, greedy or full, from the batch (see sampler.py): the step programs hold no XLA control
 flow, which on the GPU would make the launching thread wait for the device.
 
+With speculative decoding (engine.speculative) an extend step is three executables (the forward, which also returns
+the hidden states; the sampler; the MTP layer's pass and drafts, kept per slot in `drafts`), and a decode step is
+one VERIFY executable per bucket and sampler kind (verification, acceptance, commit and the next drafts).
+
 On a ("dp", "tp") mesh both executables run inside a `shard_map` that is manual over "dp" (and leaves "tp" to the
 compiler): each dp group of devices holds its own slice of the caches' pools, of `last_tokens` and of the batch,
 which are whole single-group pools and batches with group-local slot and page ids, so the model's layers run as on
@@ -26,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmodels.engine import sampler
-from jaxmodels.engine.batch import decode_batch, extend_batch
+from jaxmodels.engine.batch import decode_batch, extend_batch, next_tokens, verify_batch
 from jaxmodels.engine.buckets import bucket_for
 from jaxmodels.engine.cache import allocate_caches
 from jaxmodels.engine.scheduler import SlotTables
@@ -35,9 +39,9 @@ from jaxmodels.step_context import StepKind
 log = logging.getLogger("jaxmodels.engine")
 
 SAMPLERS = ("greedy", "sample")
-
-
 DP = "dp"
+# Programs of a speculative engine besides the samplers (see the module docstring).
+EXTEND_HIDDEN, DRAFT = "extend_hidden", "draft"
 
 
 def _forward_fn(step, kind: StepKind, param_names: list[str], dp_axis: str | None):
@@ -54,6 +58,33 @@ def _forward_fn(step, kind: StepKind, param_names: list[str], dp_axis: str | Non
         if kind is StepKind.EXTEND:
             return step.extend(params, caches, batch, dp_axis)
         return step.decode(params, caches, batch, last_tokens[batch.slot_ids], dp_axis)
+
+    return run
+
+
+def _extend_hidden_fn(step, param_names, dp_axis):
+    def run(param_values, caches, batch):
+        logits, hidden, caches = step.extend_hidden(dict(zip(param_names, param_values)), caches, batch, dp_axis)
+        return logits, hidden, caches
+
+    return run
+
+
+def _draft_fn(step, param_names, dp_axis):
+    def run(param_values, caches, hidden, batch, next_tokens, sampled, drafts):
+        new, caches = step.draft_after_extend(dict(zip(param_names, param_values)), caches, hidden, batch,
+                                              next_tokens, sampled, dp_axis)
+        return drafts.at[batch.slot_ids].set(new), caches
+
+    return run
+
+
+def _verify_fn(step, param_names, mode: str, dp_axis):
+    def run(param_values, caches, last_tokens, drafts, batch, knobs):
+        result, last_tokens, drafts, caches = step.verify(dict(zip(param_names, param_values)), caches, last_tokens,
+                                                          drafts, batch, knobs, greedy=mode == "greedy",
+                                                          dp_axis=dp_axis)
+        return result, last_tokens, drafts, caches
 
     return run
 
@@ -89,7 +120,7 @@ def _by_groups(shapes: list, dp: int) -> list:
 
 
 def _concat_groups(parts: list):
-    """[(batch, knobs)] of each group -> one (batch, knobs) with the groups' rows back to back."""
+    """[(batch, knobs, ...)] of each group -> one tuple with the groups' rows back to back."""
     if len(parts) == 1:
         return parts[0]
     return jax.tree.map(lambda *arrays: np.concatenate(arrays), *parts)
@@ -102,21 +133,40 @@ class Runner:
         self.step, self.sizes = step, sizes
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs = max_seqs_per_extend
+        self.speculative = step.num_speculative_tokens
         self.dp = mesh.shape[DP] if mesh is not None else 1
         cache_shapes = _by_groups(step.cache_shapes(sizes), self.dp)
         params = step.take_params()  # placed here (sharded over the mesh, if any); the step keeps no reference
         self.param_names = list(params)
         self.last_tokens = jnp.zeros((self.dp * sizes.num_slots,), jnp.int32)
+        # Each slot's drafts for its next verify step (one unused column without speculation).
+        self.drafts = jnp.zeros((self.dp * sizes.num_slots, max(self.speculative, 1)), jnp.int32)
         self._to_devices = lambda tree: tree  # numpy batches go to the executables as they are
+        self._mesh = mesh
         if mesh is None:
             self.params = [params[name] for name in self.param_names]
             self.caches = allocate_caches(cache_shapes)
-            self._forward = {kind: jax.jit(_forward_fn(step, kind, self.param_names, None), donate_argnums=1)
-                             for kind in StepKind}
-            self._samplers = {mode: jax.jit(_sampler_fn(mode), donate_argnums=1) for mode in SAMPLERS}
         else:
             self._shard_over(mesh, params, cache_shapes)
-        # Compiled executables: (StepKind, bucket) -> forward; (rows, sampler mode) -> sampler.
+        dp_axis = DP if mesh is not None else None
+        names = self.param_names
+        model_in = ("params", "caches")
+        self._programs = {mode: self._jit(_sampler_fn(mode), ("rows",) * 3, ("rows",) * 2, donate=(1,))
+                          for mode in SAMPLERS}
+        if self.speculative:
+            self._programs[EXTEND_HIDDEN] = self._jit(_extend_hidden_fn(step, names, dp_axis), model_in + ("rows",),
+                                                      ("rows", "rows", "caches"), donate=(1,))
+            self._programs[DRAFT] = self._jit(_draft_fn(step, names, dp_axis), model_in + ("rows",) * 5,
+                                              ("rows", "caches"), donate=(1, 6))
+            for mode in SAMPLERS:
+                self._programs[StepKind.VERIFY, mode] = self._jit(
+                    _verify_fn(step, names, mode, dp_axis), model_in + ("rows",) * 4,
+                    ("rows", "rows", "rows", "caches"), donate=(1, 2, 3))
+        else:
+            for kind in (StepKind.EXTEND, StepKind.DECODE):
+                self._programs[kind] = self._jit(_forward_fn(step, kind, names, dp_axis), model_in + ("rows",) * 2,
+                                                 ("rows", "caches"), donate=(1,))
+        # Compiled executables by job (see _jobs).
         self._compiled: dict[tuple, object] = {}
         self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
@@ -131,48 +181,59 @@ class Runner:
         self.params = [jax.device_put(params[name], NamedSharding(mesh, param_specs[name]))
                        for name in self.param_names]
         cache_specs = cache_partition_specs(cache_shapes, mesh)
-        cache_shardings = shardings(cache_specs)
-        self.caches = allocate_caches(cache_shapes, cache_shardings)
-        by_group = NamedSharding(mesh, PartitionSpec(DP))
+        self._cache_shardings = shardings(cache_specs)
+        self.caches = allocate_caches(cache_shapes, self._cache_shardings)
+        self._by_group = by_group = NamedSharding(mesh, PartitionSpec(DP))
         self.last_tokens = jax.device_put(self.last_tokens, by_group)
+        self.drafts = jax.device_put(self.drafts, by_group)
         if jax.process_count() > 1:  # each process feeds its own devices' rows of the host's batch
             self._to_devices = lambda tree: jax.tree.map(
                 lambda a: jax.make_array_from_callback(a.shape, by_group, lambda index: a[index]), tree)
         else:  # one transfer of the whole batch, split by rows; numpy arguments would take jit's slow path, one by one
             self._to_devices = lambda tree: jax.device_put(tree, by_group)
-        group_specs = jax.tree.map(_group_axis_only, cache_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        rows = PartitionSpec(DP)
-        forward_specs = dict(in_specs=([_group_axis_only(param_specs[name]) for name in self.param_names],
-                                       group_specs, rows, rows), out_specs=(rows, group_specs))
-        # Pinning the caches' output shardings keeps every step's inputs on the layout it was compiled for.
-        self._forward = {
-            kind: jax.jit(jax.shard_map(_forward_fn(self.step, kind, self.param_names, DP), mesh=mesh,
-                                        axis_names=frozenset({DP}), check_vma=False, **forward_specs),
-                          donate_argnums=1, out_shardings=(by_group, cache_shardings))
-            for kind in StepKind}
-        self._samplers = {
-            mode: jax.jit(jax.shard_map(_sampler_fn(mode), mesh=mesh, in_specs=(rows, rows, rows),
-                                        out_specs=(rows, rows), axis_names=frozenset({DP}), check_vma=False),
-                          donate_argnums=1, out_shardings=(by_group, by_group))
-            for mode in SAMPLERS}
+        self._group_specs = {
+            "params": [_group_axis_only(param_specs[name]) for name in self.param_names],
+            "caches": jax.tree.map(_group_axis_only, cache_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)),
+            "rows": PartitionSpec(DP)}
+
+    def _jit(self, fn, inputs: tuple[str, ...], outputs: tuple[str, ...], donate: tuple[int, ...]):
+        """jit `fn`, whose arguments and results are "params" (the flat list), "caches" or "rows" (arrays or batches
+        split over dp groups by their leading axis); on a mesh inside a shard_map manual over "dp", with the
+        caches' output shardings pinned so every step's inputs keep the layout it was compiled for."""
+        if self._mesh is None:
+            return jax.jit(fn, donate_argnums=donate)
+        specs = self._group_specs
+        out_shardings = {"caches": self._cache_shardings, "rows": self._by_group}
+        mapped = jax.shard_map(fn, mesh=self._mesh, in_specs=tuple(specs[x] for x in inputs),
+                               out_specs=tuple(specs[x] for x in outputs), axis_names=frozenset({DP}),
+                               check_vma=False)
+        return jax.jit(mapped, donate_argnums=donate, out_shardings=tuple(out_shardings[x] for x in outputs))
 
     def _example(self, kind, n):
         """An all-padding (batch, sampling knobs) of bucket n for every group."""
         if kind == StepKind.EXTEND:
             part = extend_batch([], n, self.max_seqs, self._example_tables)
+        elif kind == StepKind.VERIFY:
+            part = verify_batch([], n, self._example_tables)
         else:
             part = decode_batch([], n, self._example_tables)
         return _concat_groups([part] * self.dp)
 
     def _jobs(self) -> list[tuple]:
-        forwards = ([(StepKind.EXTEND, n) for n in self.prefill_sizes]
-                    + [(StepKind.DECODE, n) for n in self.decode_sizes])
-        rows = sorted({self.max_seqs, *self.decode_sizes})
-        return forwards + [(n, mode) for n in rows for mode in SAMPLERS]
+        """Every executable serving may call: (program, bucket) or (program, bucket, sampler mode)."""
+        if self.speculative:
+            forwards = ([(EXTEND_HIDDEN, n) for n in self.prefill_sizes] + [(DRAFT, n) for n in self.prefill_sizes]
+                        + [(StepKind.VERIFY, n, mode) for n in self.decode_sizes for mode in SAMPLERS])
+            rows = [self.max_seqs]
+        else:
+            forwards = ([(StepKind.EXTEND, n) for n in self.prefill_sizes]
+                        + [(StepKind.DECODE, n) for n in self.decode_sizes])
+            rows = sorted({self.max_seqs, *self.decode_sizes})
+        return forwards + [("sampler", n, mode) for n in rows for mode in SAMPLERS]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile every bucket's forward and every row count's samplers. An all-padding batch has the exact shapes
-        and dtypes of a real one.
+        """Compile every executable serving may call (see _jobs). An all-padding batch has the exact shapes and
+        dtypes of a real one.
 
         Tracing runs here one executable after another; XLA compiles them on a thread per core, which releases the
         GIL (2x faster on the 2-core CI machine).
@@ -187,31 +248,72 @@ class Runner:
             for future in concurrent.futures.as_completed(futures):
                 self._compiled[futures[future]] = future.result()
                 bar.update()
-        log.info("compiled %d executables in %.1f s (prefill tokens %s; decode batch %s; greedy and full samplers)",
-                 len(jobs), time.perf_counter() - start, self.prefill_sizes, self.decode_sizes)
+        log.info("compiled %d executables in %.1f s (prefill tokens %s; decode batch %s; greedy and full samplers%s)",
+                 len(jobs), time.perf_counter() - start, self.prefill_sizes, self.decode_sizes,
+                 f"; {self.speculative} speculative tokens" if self.speculative else "")
 
     def _lower(self, job):
-        first, second = job
-        if first in (StepKind.EXTEND, StepKind.DECODE):
-            batch, _ = self._example(first, second)
-            return self._forward[first].lower(self.params, self.caches, self.last_tokens, batch)
-        logits = jax.ShapeDtypeStruct((self.dp * first, self.step.config.vocab_size), jnp.float32)
-        _, knobs = self._example(StepKind.DECODE, first)
-        return self._samplers[second].lower(logits, self.last_tokens, knobs)
+        program, args = self.program_and_args(job)
+        return program.lower(*args)
+
+    def program_and_args(self, job) -> tuple:
+        """(the jitted program of `job` (see _jobs), example arguments of its exact shapes and dtypes)."""
+        program, n, *mode = job
+        if program == "sampler":
+            logits = jax.ShapeDtypeStruct((self.dp * n, self.step.config.vocab_size), jnp.float32)
+            _, knobs = self._example(StepKind.DECODE, n)
+            return self._programs[mode[0]], (logits, self.last_tokens, knobs)
+        model_args = (self.params, self.caches)
+        if program == EXTEND_HIDDEN:
+            return self._programs[program], (*model_args, self._example(StepKind.EXTEND, n)[0])
+        if program == DRAFT:
+            batch, _ = self._example(StepKind.EXTEND, n)
+            hidden = jax.ShapeDtypeStruct((self.dp * n, self.step.config.hidden_size), self.step.dtype)
+            tokens = jax.ShapeDtypeStruct((self.dp * n,), jnp.int32)
+            sampled = jax.ShapeDtypeStruct((self.dp * self.max_seqs,), jnp.int32)
+            return self._programs[program], (*model_args, hidden, batch, tokens, sampled, self.drafts)
+        if program == StepKind.VERIFY:
+            return self._programs[program, mode[0]], (*model_args, self.last_tokens, self.drafts,
+                                                      *self._example(program, n))
+        return self._programs[program], (*model_args, self.last_tokens, self._example(program, n)[0])
+
+    def jobs(self) -> list[tuple]:
+        return self._jobs()
 
     def _executable(self, job):
         if job not in self._compiled:  # only without warm-up
             self._compiled[job] = self._lower(job).compile()
         return self._compiled[job]
 
+    def _sample(self, logits, knobs):
+        """Send the sampler for `logits`; -> the tokens (device array), stored per slot in last_tokens too."""
+        mode = "greedy" if knobs.greedy else "sample"
+        tokens, self.last_tokens = self._executable(("sampler", logits.shape[0] // self.dp, mode))(
+            logits, self.last_tokens, knobs)
+        return tokens
+
     def _run(self, kind, n, batch, knobs):
         """Send one step (forward, then sampler) to the device; returns its sampled tokens as a device array, not
         waited for."""
         batch, knobs = self._to_devices((batch, knobs))
         logits, self.caches = self._executable((kind, n))(self.params, self.caches, self.last_tokens, batch)
-        mode = "greedy" if knobs.greedy else "sample"
-        tokens, self.last_tokens = self._executable((logits.shape[0] // self.dp, mode))(logits, self.last_tokens, knobs)
+        return self._sample(logits, knobs)
+
+    def _run_extend_and_draft(self, n, batch, knobs, following):
+        """A speculative engine's extend: forward with hidden states, sampler, then the MTP layer's pass and drafts."""
+        batch, knobs, following = self._to_devices((batch, knobs, following))
+        logits, hidden, self.caches = self._executable((EXTEND_HIDDEN, n))(self.params, self.caches, batch)
+        tokens = self._sample(logits, knobs)
+        self.drafts, self.caches = self._executable((DRAFT, n))(self.params, self.caches, hidden, batch, following,
+                                                                tokens, self.drafts)
         return tokens
+
+    def _run_verify(self, n, batch, knobs):
+        batch, knobs = self._to_devices((batch, knobs))
+        mode = "greedy" if knobs.greedy else "sample"
+        result, self.last_tokens, self.drafts, self.caches = self._executable((StepKind.VERIFY, n, mode))(
+            self.params, self.caches, self.last_tokens, self.drafts, batch, knobs)
+        return result
 
     @staticmethod
     def read(tokens) -> np.ndarray:
@@ -225,13 +327,16 @@ class Runner:
 
     def launch(self, kind: StepKind, works: list, tables: list) -> tuple[object, int]:
         """Send one step of every dp group's work (works[g]: group g's chunks or requests, [] when idle; tables[g]
-        its slot tables) -> (the sampled tokens as a device array, not waited for; rows per group in it)."""
+        its slot tables) -> (its results as a device array, not waited for, with rows per group: the sampled token
+        of each chunk or request, or for VERIFY the k+1 tokens and the number of drafts accepted)."""
         if kind is StepKind.EXTEND:
             n = bucket_for(self.prefill_sizes, max(sum(chunk.length for chunk in chunks) for chunks in works))
             parts = [extend_batch(chunks, n, self.max_seqs, t) for chunks, t in zip(works, tables)]
-            rows = self.max_seqs
-        else:
-            n = bucket_for(self.decode_sizes, max(map(len, works)))
-            parts = [decode_batch(requests, n, t) for requests, t in zip(works, tables)]
-            rows = n
-        return self._run(kind, n, *_concat_groups(parts)), rows
+            if self.speculative:
+                following = np.concatenate([next_tokens(chunks, n) for chunks in works])
+                return self._run_extend_and_draft(n, *_concat_groups(parts), following), self.max_seqs
+            return self._run(kind, n, *_concat_groups(parts)), self.max_seqs
+        n = bucket_for(self.decode_sizes, max(map(len, works)))
+        if kind is StepKind.VERIFY:
+            return self._run_verify(n, *_concat_groups([verify_batch(r, n, t) for r, t in zip(works, tables)])), n
+        return self._run(kind, n, *_concat_groups([decode_batch(r, n, t) for r, t in zip(works, tables)])), n

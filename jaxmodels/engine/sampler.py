@@ -24,6 +24,29 @@ def greedy(logits):
 def sample(logits, temperature, top_k, top_p, seed, step):
     """logits[B,V] float32; temperature/top_p float32[B]; top_k int32[B] (<= 0: off); seed uint32[B];
     step int32[B] -> int32[B]. temperature 0 means greedy (that row's argmax)."""
+    order, ranked = _ranked_filtered(logits, temperature, top_k, top_p)
+
+    def draw(row_logits, row_seed, row_step):
+        key = jax.random.fold_in(jax.random.key(row_seed), row_step)
+        return jax.random.categorical(key, row_logits)
+
+    picked_rank = jax.vmap(draw)(ranked, seed, step)
+    sampled = jnp.take_along_axis(order, picked_rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy(logits))
+
+
+def filtered_logits(logits, temperature, top_k, top_p):
+    """logits[B,V] -> the logits `sample` draws from, in vocabulary order: divided by the temperature, -inf where
+    top-k or top-p drops the token. (Rows with temperature 0 come out at temperature 1; callers treat them as
+    greedy.)"""
+    order, ranked = _ranked_filtered(logits, temperature, top_k, top_p)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return jnp.zeros_like(ranked).at[rows, order].set(ranked)
+
+
+def _ranked_filtered(logits, temperature, top_k, top_p):
+    """(order, ranked): each row's tokens by descending logit, and their temperature-scaled logits in that order
+    with -inf past top-k and top-p."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     # One descending sort serves both filters: top-k keeps ranks < k, top-p keeps the smallest prefix whose
@@ -35,12 +58,4 @@ def sample(logits, temperature, top_k, top_p, seed, step):
     ranked = jnp.where(rank < k[:, None], ranked, -jnp.inf)
     probs = jax.nn.softmax(ranked, axis=-1)
     mass_before = prefix_sum(probs, axis=1) - probs  # (not jnp.cumsum: see pallas_kernels.packing)
-    ranked = jnp.where(mass_before < top_p[:, None], ranked, -jnp.inf)
-
-    def draw(row_logits, row_seed, row_step):
-        key = jax.random.fold_in(jax.random.key(row_seed), row_step)
-        return jax.random.categorical(key, row_logits)
-
-    picked_rank = jax.vmap(draw)(ranked, seed, step)
-    sampled = jnp.take_along_axis(order, picked_rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy(logits))
+    return order, jnp.where(mass_before < top_p[:, None], ranked, -jnp.inf)

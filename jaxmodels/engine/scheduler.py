@@ -8,7 +8,11 @@ kept, and it is recomputed from its tokens later (so no request is dropped).
 
 `schedule()` commits what it returns: the chosen tokens count as computed from then on, so the engine may schedule
 the next step before the device has returned this one's tokens (overlapped scheduling). The tokens come back
-through `finish_extend` / `finish_decode`, which apply the stop conditions. A finished request may thus sit in one
+through `finish_extend` / `finish_decode`, which apply the stop conditions.
+
+With speculative decoding (`num_speculative_tokens` k > 0) a decode step is a VERIFY step: each request's last
+token and k drafts are checked at once and 1 to k+1 tokens come back (`finish_verify`). How many is known only then,
+so such a step is not committed ahead: the engine reads every verify step before it schedules the next. A finished request may thus sit in one
 more step than it needed; its extra token is dropped. Preempting needs every token on the host (the request is
 recomputed from them), so `schedule(can_preempt=False)` returns None instead of preempting, and the engine settles
 the step in flight first.
@@ -65,8 +69,10 @@ class SlotTables:
 
 
 class Scheduler:
-    def __init__(self, sizes: PoolSizes, *, max_batch_size: int, max_prefill_tokens: int, max_seq_len: int):
+    def __init__(self, sizes: PoolSizes, *, max_batch_size: int, max_prefill_tokens: int, max_seq_len: int,
+                 num_speculative_tokens: int = 0):
         self.sizes = sizes
+        self.num_speculative_tokens = num_speculative_tokens
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_seq_len = max_seq_len
@@ -76,6 +82,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # by request id, in admission order: the last is preempted first
         self.num_preemptions = 0
+        self.num_generated = 0  # tokens appended to requests' outputs
         self.blocked = False  # the last schedule() returned None because it needed a preemption it was not allowed
 
     def add(self, request: Request) -> None:
@@ -101,7 +108,7 @@ class Scheduler:
                 self.blocked = True
                 return None
             if batch:
-                return StepKind.DECODE, batch
+                return (StepKind.VERIFY if self.num_speculative_tokens else StepKind.DECODE), batch
             if not any(r.status is RequestStatus.PREFILLING for r in self.running.values()):
                 return None  # only decoding requests that are finishing: their tokens are in flight
             # Only partial prefills hold the pool and none can grow: give back the newest one's pages.
@@ -150,6 +157,8 @@ class Scheduler:
         self.slots.admit(request)
 
     def _decode_batch(self, can_preempt: bool):
+        if self.num_speculative_tokens:
+            return self._verify_batch(can_preempt)
         # The hot loop of a large batch: plain attribute arithmetic, no helper calls unless a page is due.
         batch = []
         page_size, max_seq_len, decoding = self.sizes.page_size, self.max_seq_len, RequestStatus.DECODING
@@ -178,6 +187,29 @@ class Scheduler:
         for request in batch:
             request.num_computed += 1
         return batch
+
+    def _verify_batch(self, can_preempt: bool):
+        """The decoding requests of a VERIFY step, each with pages for every position the step writes: the target
+        and the MTP layer write L .. L+k (L: the last token's position, num_computed), the draft chain up to
+        L+2k-1. num_computed moves only when the tokens come back (finish_verify)."""
+        batch = []
+        lookahead = 2 * self.num_speculative_tokens
+        for request in list(self.running.values()):
+            if (request.status is not RequestStatus.DECODING or request.request_id not in self.running
+                    or not request.may_grow(self.max_seq_len)):
+                continue
+            needed = self._pages_for(request, request.num_computed + lookahead)
+            while needed > len(self.free_pages):
+                if not can_preempt:
+                    return None
+                victim = self._newest()
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                self.slots.add_pages(request, self.free_pages.take(needed))
+                batch.append(request)
+        return [r for r in batch if r.request_id in self.running]
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
@@ -230,7 +262,25 @@ class Scheduler:
                 got.append(request)
         return got
 
+    def finish_verify(self, batch, results) -> list[Request]:
+        """Account for a VERIFY step: results[i] = the k+1 tokens and the number of drafts accepted, a, of request
+        i; its first a+1 tokens are its new ones (fewer if it stops among them). Returns the requests that got some.
+        """
+        got = []
+        for request, result in zip(batch, results):
+            if request.status is RequestStatus.FINISHED:
+                continue
+            accepted = result[-1]
+            request.num_computed += accepted + 1
+            for token in result[: accepted + 1]:
+                self._append(request, token)
+                if request.finished:
+                    break
+            got.append(request)
+        return got
+
     def _append(self, request: Request, token: int) -> None:
+        self.num_generated += 1
         request.output.append(token)
         request.token_ids.append(token)
         reason = request.stop_reason(token, self.max_seq_len)
@@ -266,6 +316,10 @@ class GroupedScheduler:
         return sum(group.num_preemptions for group in self.groups)
 
     @property
+    def num_generated(self) -> int:
+        return sum(group.num_generated for group in self.groups)
+
+    @property
     def blocked(self) -> bool:
         """Some group waits for a preemption, which needs every token in flight on the host first."""
         return any(group.blocked for group in self.groups)
@@ -277,14 +331,15 @@ class GroupedScheduler:
             if work is not None:
                 kind, items = work
                 steps.setdefault(kind, [[] for _ in self.groups])[g] = items
-        return [(kind, steps[kind]) for kind in (StepKind.EXTEND, StepKind.DECODE) if kind in steps]
+        return [(kind, steps[kind]) for kind in StepKind if kind in steps]
 
     def finish(self, kind: StepKind, works: list, sampled: list) -> list[Request]:
         """Account for a step's tokens: sampled[g] (python ints) are group g's, in its work's order."""
         got = []
+        finish = {StepKind.EXTEND: Scheduler.finish_extend, StepKind.DECODE: Scheduler.finish_decode,
+                  StepKind.VERIFY: Scheduler.finish_verify}[kind]
         for group, work, tokens in zip(self.groups, works, sampled):
-            finish = group.finish_extend if kind is StepKind.EXTEND else group.finish_decode
-            got += finish(work, tokens)
+            got += finish(group, work, tokens)
         for request in got:
             if request.finished:
                 del self._group_of[request.request_id]

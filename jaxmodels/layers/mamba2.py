@@ -19,7 +19,7 @@ from flax import nnx
 import pallas_kernels
 from jaxmodels.layers.linear import linear
 from jaxmodels.layers.norms import GatedGroupRMSNorm
-from jaxmodels.step_context import StepContext
+from jaxmodels.step_context import StepContext, StepKind
 
 
 @jax.tree_util.register_dataclass
@@ -32,6 +32,22 @@ class MambaCache:
     ssm: jax.Array
     # Whole on every device of a dp group: the state is per request, so Mamba scales by splitting the batch.
     AXES: ClassVar[dict] = {"conv": ("slot", None, None), "ssm": ("slot", None, None, None)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MambaVerifyCache:
+    """What a verify step leaves of one Mamba layer, for `Mamba2Mixer.commit_verified` (S requests, L tokens each):
+    the pools as they were, each request's conv window followed by its L conv inputs (`window[S, C, K-1+L]`), and
+    the SSM inputs of its L tokens (x[S,L,H,P], dt[S,L,H] after softplus, B[S,L,G,N]). It lives only inside the
+    verify step's program."""
+
+    conv: jax.Array
+    ssm: jax.Array
+    window: jax.Array
+    x: jax.Array
+    dt: jax.Array
+    B: jax.Array
 
 
 class DepthwiseConv1d(nnx.Module):
@@ -149,6 +165,36 @@ class Mamba2Mixer(nnx.Module):
             dt_softplus=True)
         return self._output(y, gate, hidden.dtype), conv_pool, ssm_pool
 
+    def forward_verify(self, hidden: jax.Array, step: StepContext, cache: MambaCache):
+        """A verify step's L tokens per request, hidden[S*L, D] -> (out[S*L, D], MambaVerifyCache): outputs from
+        each slot's state, the pools left as they were (see StepContext's VERIFY). Every token is a generated one, so
+        dt has no `time_step_min` floor (as in `forward_decode`)."""
+        slots, num_seqs = step.slot_ids, step.num_seqs
+        length = hidden.shape[0] // num_seqs
+        conv0 = cache.conv[slots]
+        gate, xbc_in, dt = self._project(hidden)
+        xbc, _ = pallas_kernels.causal_conv1d(xbc_in, self.conv1d.weight[...], self._conv_bias(),
+                                              cu_seqlens=step.cu_seqlens, initial_states=conv0, activation="silu")
+        x, B, C = self._split_xbc(xbc)
+        y, _ = pallas_kernels.ssd_chunk_scan(
+            x, dt, self._A(), B, C, D=self.D[...], dt_bias=self.dt_bias[...], cu_seqlens=step.cu_seqlens,
+            chunk_size=self.chunk_size, initial_states=cache.ssm[slots].astype(jnp.float32), dt_softplus=True)
+        inputs = xbc_in.reshape(num_seqs, length, self.conv_dim).transpose(0, 2, 1).astype(cache.conv.dtype)
+        per_seq = lambda a: a.reshape(num_seqs, length, *a.shape[1:])  # noqa: E731
+        pending = MambaVerifyCache(conv=cache.conv, ssm=cache.ssm, window=jnp.concatenate([conv0, inputs], axis=2),
+                                   x=per_seq(x), dt=per_seq(self._softplus_dt(dt)), B=per_seq(B))
+        return self._output(y, gate, hidden.dtype), pending
+
+    def commit_verified(self, pending: MambaVerifyCache, slot_ids: jax.Array, accepted: jax.Array) -> MambaCache:
+        """Advance each slot by its first accepted[s] + 1 verified tokens (the accepted drafts after the token it
+        started from): the conv window ends at that token and the SSM state is the decode recurrence's after it.
+        A rejected draft leaves no trace in the pools."""
+        keep = self.conv_kernel - 1
+        window = jnp.take_along_axis(pending.window, (accepted + 1)[:, None, None] + jnp.arange(keep), axis=2)
+        ssm = pallas_kernels.ssd_state_advance(pending.ssm, pending.x, pending.dt, self._A(), pending.B,
+                                               slot_ids=slot_ids, lengths=accepted + 1)
+        return MambaCache(conv=pending.conv.at[slot_ids].set(window), ssm=ssm)
+
     def __call__(self, hidden: jax.Array, step: StepContext | None = None, cache: MambaCache | None = None):
         """Without a step: full sequences hidden[B, T, D] from zero state -> out[B, T, D], no cache.
         With one: the step's packed tokens hidden[T, D], continuing from and updating their slots' states ->
@@ -161,6 +207,8 @@ class Mamba2Mixer(nnx.Module):
         if step.is_decode:
             out, conv, ssm = self.forward_decode(hidden, cache.conv, cache.ssm, step.slot_ids)
             return out, MambaCache(conv=conv, ssm=ssm)
+        if step.kind is StepKind.VERIFY:
+            return self.forward_verify(hidden, step, cache)
         slots, fresh = step.slot_ids, ~step.has_prefix
         # A request's first chunk starts from zero state, whatever its slot's previous owner left there. The SSM
         # pool is updated in place by the scan, touching only the slots of real sequences (the conv windows are

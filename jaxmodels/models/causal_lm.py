@@ -57,6 +57,19 @@ class CausalLM(nnx.Module):
                 return self.logits(hidden)
             return self.logits(hidden[step.logit_rows]), caches
 
+    def forward_hidden(self, input_ids: jax.Array, step: StepContext, caches: list):
+        """The engine's step up to the LM head: (final-normed hidden states [T, H] of every packed token, caches);
+        `logits` turns rows of them into logits. Speculative decoding drafts from these hidden states."""
+        with precision_scope(self.matmul_precision):
+            return self._hidden_states(input_ids, step, caches)
+
+    def commit_verified(self, caches: list, step: StepContext, accepted: jax.Array) -> list:
+        """After a VERIFY step: advance the recurrent state of each request by its verified token and its first
+        accepted[s] drafts (see StepContext). Attention caches need nothing: the rejected drafts' keys sit past the
+        request's length, where the next steps overwrite them before anything reads them. Families with recurrent
+        layers override this."""
+        return caches
+
     def hidden_states(self, input_ids: jax.Array, **options) -> jax.Array:
         """int32[B, T] -> [B, T, H]: the last hidden states of the full causal forward, final norm applied: what the
         LM head reads, and what the MTP layers draft from (`mtp_step`)."""
@@ -84,6 +97,16 @@ class CausalLM(nnx.Module):
         with precision_scope(self.matmul_precision):
             hidden = self._mtp_hidden(depth % self.num_mtp_layers, hidden, self.embed(next_tokens), **options)
             return self.logits(hidden), hidden
+
+    def mtp_forward(self, hidden: jax.Array, next_tokens: jax.Array, step: StepContext, caches: list, *,
+                    depth: int = 0):
+        """`mtp_step` in the engine: the step's packed tokens, hidden[T, H] (the target's, or the previous depth's)
+        and next_tokens int32[T] (each the token one position on) -> (normed output [T, H], caches of the MTP layers,
+        as `mtp_cache_shapes` lays them out). The MTP layers keep their own paged caches, indexed like the target's
+        by the step's page table and positions."""
+        with precision_scope(self.matmul_precision):
+            return self._mtp_hidden(depth % self.num_mtp_layers, hidden, self.embed(next_tokens), step=step,
+                                    caches=caches)
 
     def embed(self, input_ids) -> jax.Array:
         return getattr(self, self.EMBEDDING)(jnp.asarray(input_ids, jnp.int32))

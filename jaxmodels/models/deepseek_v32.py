@@ -85,10 +85,12 @@ class DeepseekV32MTPLayer(MTPInputFusion, DeepseekV32DecoderLayer):
                                scale_in_float32=False)
         self.shared_head = SharedHead(config, dtype=dtype)
 
-    def draft(self, hidden, token_embeddings, cos, sin, *, mla_path: str):
-        """Whole sequences: [B, T, H] hidden states and next-token embeddings -> the normed output [B, T, H]."""
-        hidden, _, _ = self(self.fuse_inputs(token_embeddings, hidden), cos, sin, mla_path=mla_path)
-        return self.shared_head.norm(hidden)
+    def draft(self, hidden, token_embeddings, cos, sin, *, mla_path: str = "absorbed", step=None, cache=None):
+        """Hidden states and next-token embeddings -> (the normed output, the layer's cache: None without a step),
+        over whole sequences ([B, T, H]) or a step's packed tokens ([T, H])."""
+        hidden, _, cache = self(self.fuse_inputs(token_embeddings, hidden), cos, sin, step=step, cache=cache,
+                                mla_path=mla_path)
+        return self.shared_head.norm(hidden), cache
 
 
 class DeepseekV32ForCausalLM(CausalLM):
@@ -136,10 +138,20 @@ class DeepseekV32ForCausalLM(CausalLM):
                                                mla_path=mla_path)
         return self.norm(hidden), caches
 
-    def _mtp_hidden(self, index: int, hidden: jax.Array, token_embeddings: jax.Array, *,
-                    mla_path: str = "absorbed") -> jax.Array:
-        cos, sin = rope_cos_sin(jnp.arange(hidden.shape[1]), self.config.rope)
-        return self.mtp_layers[index].draft(hidden, token_embeddings, cos, sin, mla_path=mla_path)
+    def mtp_cache_shapes(self, sizes) -> list:
+        """Per MTP layer, its paged caches' ShapeDtypeStructs."""
+        return [layer.self_attn.cache_shape(sizes.num_pages, sizes.page_size, self.dtype) for layer in self.mtp_layers]
+
+    def _mtp_hidden(self, index: int, hidden: jax.Array, token_embeddings: jax.Array, *, step=None, caches=None,
+                    mla_path: str = "absorbed"):
+        positions = jnp.arange(hidden.shape[1]) if step is None else step.positions
+        cos, sin = rope_cos_sin(positions, self.config.rope)
+        if step is None:
+            return self.mtp_layers[index].draft(hidden, token_embeddings, cos, sin, mla_path=mla_path)[0]
+        caches = list(caches)
+        hidden, caches[index] = self.mtp_layers[index].draft(hidden, token_embeddings, cos, sin, step=step,
+                                                             cache=caches[index])
+        return hidden, caches
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

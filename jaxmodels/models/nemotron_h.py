@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxmodels.configs import NemotronHConfig
 from jaxmodels.layers.attention import GQAAttention
-from jaxmodels.layers.mamba2 import Mamba2Mixer
+from jaxmodels.layers.mamba2 import Mamba2Mixer, MambaVerifyCache
 from jaxmodels.layers.mlp import MLP
 from jaxmodels.layers.moe import MoE
 from jaxmodels.layers.mtp import MTPInputFusion
@@ -99,15 +99,19 @@ class NemotronHMTP(nnx.Module):
                               dtype=dtype)
             for _ in range(config.num_nextn_predict_layers) for j, kind in enumerate(kinds)])
 
-    def __call__(self, index: int, hidden: jax.Array, token_embeddings: jax.Array) -> jax.Array:
-        """MTP layer `index` over whole sequences: [B, T, H] hidden states and next-token embeddings -> its normed
-        output [B, T, H]."""
+    def __call__(self, index: int, hidden: jax.Array, token_embeddings: jax.Array, step: StepContext | None = None,
+                 caches: list | None = None):
+        """MTP layer `index`: hidden states and next-token embeddings -> its normed output, over whole sequences
+        ([B, T, H]) or a step's packed tokens ([T, H]; then -> (output, caches), with caches[j] the cache of block j
+        of the flat list, None for blocks without one)."""
         first = index * self.blocks_per_layer
         blocks = self.layers[first : first + self.blocks_per_layer]
+        caches = list(caches) if caches is not None else [None] * len(self.layers)
         hidden = blocks[0].fuse_inputs(token_embeddings, hidden)
-        for block in blocks:
-            hidden, _ = block(hidden)
-        return blocks[-1].final_layernorm(hidden)
+        for j, block in enumerate(blocks, start=first):
+            hidden, caches[j] = block(hidden, step, caches[j])
+        hidden = blocks[-1].final_layernorm(hidden)
+        return hidden if step is None else (hidden, caches)
 
 
 class NemotronHForCausalLM(CausalLM):
@@ -140,6 +144,18 @@ class NemotronHForCausalLM(CausalLM):
                 shapes.append(None)
         return shapes
 
+    def mtp_cache_shapes(self, sizes) -> list:
+        """Per block of the MTP layers (`mtp.layers`), its serving cache's ShapeDtypeStructs (None for MoE / MLP)."""
+        return [block.mixer.cache_shape(sizes.num_pages, sizes.page_size, self.dtype) if block.kind == "attention"
+                else None for block in self.mtp.layers]
+
+    def commit_verified(self, caches: list, step: StepContext, accepted: jax.Array) -> list:
+        caches = list(caches)
+        for i, block in enumerate(self.layers):
+            if isinstance(caches[i], MambaVerifyCache):
+                caches[i] = block.mixer.commit_verified(caches[i], step.slot_ids, accepted)
+        return caches
+
     def _hidden_states(self, input_ids: jax.Array, step: StepContext | None, caches: list | None):
         """The forward (see CausalLM.__call__) up to the LM head: (final-normed hidden states, updated caches)."""
         hidden = self.embed(input_ids)
@@ -148,5 +164,5 @@ class NemotronHForCausalLM(CausalLM):
             hidden, caches[i] = block(hidden, step, caches[i])
         return self.norm_f(hidden), caches
 
-    def _mtp_hidden(self, index: int, hidden: jax.Array, token_embeddings: jax.Array) -> jax.Array:
-        return self.mtp(index, hidden, token_embeddings)
+    def _mtp_hidden(self, index: int, hidden: jax.Array, token_embeddings: jax.Array, step=None, caches=None):
+        return self.mtp(index, hidden, token_embeddings, step, caches)

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from jaxmodels.engine.cache import PoolSizes
-from jaxmodels.engine.runner import SAMPLERS, Runner
+from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.step import ModelStep
 from jaxmodels.families import load_config, model_class
 from pallas_kernels import _dispatch
@@ -37,20 +37,23 @@ def control_flow(text: str) -> list[str]:
     return found
 
 
+# With speculative decoding: one MTP layer (attention + MoE blocks for Nemotron-H).
+MTP = {"nemotron_h": dict(num_nextn_predict_layers=1, mtp_layers_block_type=["attention", "moe"]),
+       "deepseek_v32": dict(num_nextn_predict_layers=1)}
+
+
+@pytest.mark.parametrize("speculative", [0, 2])
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
-def test_step_programs_have_no_xla_control_flow(model_type, monkeypatch, cuda_lowering):
+def test_step_programs_have_no_xla_control_flow(model_type, speculative, monkeypatch, cuda_lowering):
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
-    config = load_config(TINY_CONFIGS[model_type])
-    step = ModelStep(model_class(config)(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    config = load_config({**TINY_CONFIGS[model_type], **(MTP[model_type] if speculative else {})})
+    step = ModelStep(model_class(config)(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+                     num_speculative_tokens=speculative)
     runner = Runner(step, PoolSizes.from_limits(max_batch_size=2, max_seq_len=16), decode_sizes=[2],
                     prefill_sizes=[8], max_seqs_per_extend=2)
     programs = {}
-    for kind, n in (("extend", 8), ("decode", 2)):
-        forward, knobs = runner._example(kind, n)
-        programs[kind] = cuda_lowering(runner._forward[kind], runner.params, runner.caches, runner.last_tokens,
-                                       forward)
-    logits = jax.ShapeDtypeStruct((2, config.vocab_size), jnp.float32)
-    for mode in SAMPLERS:
-        programs[mode] = cuda_lowering(runner._samplers[mode], logits, runner.last_tokens, knobs)
+    for job in runner.jobs():
+        program, args = runner.program_and_args(job)
+        programs[job] = cuda_lowering(program, *args)
     for name, text in programs.items():
         assert not control_flow(text), (name, control_flow(text))
