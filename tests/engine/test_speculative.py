@@ -144,3 +144,15 @@ def test_speculation_needs_mtp_layers(tmp_path):
     save(make_nemotron_h("dense"), tmp_path)
     with pytest.raises(ValueError, match="multi-token-prediction"):
         jaxmodels.LLM(tmp_path, num_speculative_tokens=2, warmup=False, **LIMITS)
+
+
+def test_preemption_with_speculation_is_lossless(tmp_path):
+    """A pool of 8 pages of 16 tokens for 4 requests that each need up to 5 (with the draft lookahead): requests are
+    preempted and recomputed, drafts and MTP caches included."""
+    save_with_drafting_mtp("nemotron_h_moe", tmp_path, target_scale=0.1)
+    llm = jaxmodels.LLM(tmp_path, num_speculative_tokens=2, **{**LIMITS, "num_pages": 8})
+    prompts = random_prompts([13, 27, 20, 9])
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = [out.token_ids for out in llm.generate(prompts, params)]
+    assert llm.metrics()["preemptions"] > 0
+    assert outputs == greedy_by_full_forward(llm.model, prompts, 24)

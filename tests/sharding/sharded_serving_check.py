@@ -19,8 +19,8 @@ LIMITS = dict(max_batch_size=8, max_seq_len=64, max_prefill_tokens=8, progress=F
 MESHES = ((2, 1), (2, 2), (4, 2), (8, 1), (1, 2))
 
 
-def serve(path, prompts, **mesh):
-    llm = jaxmodels.LLM(path, dtype="float32", **LIMITS, **mesh)
+def serve(path, prompts, **options):
+    llm = jaxmodels.LLM(path, dtype="float32", **LIMITS, **options)
     compiled = len(llm.engine.runner._compiled)
     greedy = llm.generate(prompts, jaxmodels.SamplingParams(max_new_tokens=8, temperature=0.0))
     sampled = llm.generate(prompts, jaxmodels.SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3))

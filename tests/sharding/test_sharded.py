@@ -33,6 +33,11 @@ def test_sharded_serving_equals_one_device(tmp_path):
             assert f"{model}: dp={dp} tp={tp} serves the 1-device tokens" in out
 
 
+def test_speculative_serving_on_a_mesh_equals_one_device(tmp_path):
+    out = run_on_8_devices("tests.sharding.speculative_serving_check", tmp_path)
+    assert "dp=2 tp=2 with speculative decoding serves the 1-device tokens" in out
+
+
 def test_multi_process_job_equals_one_device(tmp_path):
     """Two processes of one JAX job on this host, as two hosts would run it: the mesh spans both."""
     from tests.hf_models import make_nemotron_h, save
