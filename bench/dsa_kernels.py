@@ -2,6 +2,11 @@
 floor (bytes at 4.25 TB/s or FLOPs at 810 TFLOP/s, the H200 ceilings measured in ../shared/DESIGN.md).
 
     PYTHONPATH=. python bench/dsa_kernels.py --check [--quick] [--log $OUT/dsa.log]
+    PYTHONPATH=. python bench/dsa_kernels.py --check --only select,mla_decode            # issue 14: select, decode
+    PYTHONPATH=. python bench/dsa_kernels.py --only indexer --indexer-kinds decode --ctx 131072
+
+Rows marked OLD run the kernels with the options that reproduce their pre-issue-14 algorithm (OLD_SELECT,
+OLD_INDEXER, OLD_MLA); `{}` rows run the defaults.
 
 Times: jitted call issued `n` times back to back then one block_until_ready, divided by n; median of 5 rounds.
 Prints one table per section; the last line is the headline.
@@ -22,17 +27,53 @@ from jax import lax
 from kernel_report import ROWS, open_log, say, section, timeit
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas, grouped_matmul_reference
 from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, indexer_topk_pallas,
-                                         quantize_index_k_fp8, select_topk_pallas, topk_reference)
+                                         quantize_index_k_fp8, topk_reference)
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention_pallas, sparse_mla_attention_reference
+from pallas_kernels.topk_select import GROUP, masked_keys_and_group_max, select_topk_pallas
 
 HBM_BPS = 4.25e12
 MXU_FLOPS = 810e12
 CTXS = [8192, 32768, 131072]
+INDEXER_KINDS = ["decode", "prefill"]
+
+# The kernels as they were before the decode splits and the group compaction (issue 14), for side-by-side rows:
+# the select with a second pass over the row and 32 + 32 fixed counting passes, its own group-maxima pass, the
+# 8-warp tiles at every row length; sparse MLA with one program per (query, head block) over the whole list.
+OLD_SELECT = dict(compaction="row", early_stop=False, num_warps=8, gmax_in_registers=16384)
+OLD_INDEXER = dict(OLD_SELECT, fuse_group_max=False)
+OLD_MLA = dict(num_splits=1, trim=False)
 
 
+def label(opts):
+    return "{" + ", ".join(f"{k}={v}" for k, v in opts.items()) + "}"
 
 
+def group_maxima(x, lens, group=GROUP):
+    """What the indexer's logits kernel hands the select (here computed by XLA, outside the timed call)."""
+    pos = jnp.arange(x.shape[1], dtype=jnp.int32)
+    return jax.vmap(lambda row, n: masked_keys_and_group_max(row, pos, n, group)[1])(x, lens)
 
+
+def torch_topk_seconds(x, k):
+    """torch.topk on the same device array (through DLPack), or None without torch / CUDA."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        xt = torch.utils.dlpack.from_dlpack(x)
+        torch.topk(xt, k, dim=1)
+        torch.cuda.synchronize()
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                torch.topk(xt, k, dim=1)
+            torch.cuda.synchronize()
+            rounds.append((time.perf_counter() - t0) / 10)
+        return float(np.median(rounds))
+    except Exception as e:  # noqa: BLE001 (a comparator only: report and go on)
+        say(f"  torch.topk not timed: {e!r}")
+        return None
 
 def row(name, t_kernel, t_ref, floor_s, note=""):
     """One result line; t_ref None when the reference is not timed (too slow or too big at that size)."""
@@ -76,13 +117,16 @@ def check_select():
     x = jax.random.normal(key, (T, N))
     lens = jax.random.randint(jax.random.key(1), (T,), 0, N + 1).at[:6].set(jnp.array([N, 1, 0, 100, 2048, 9000]))
     for name, xx in [("random", x), ("ties", jnp.round(x * 2))]:
-        got = jax.jit(functools.partial(select_topk_pallas, topk=k))(xx, lens)
         masked = jnp.where(jnp.arange(N) < lens[:, None], xx, -jnp.inf)
         ref = topk_reference(masked, lens, k)
-        same = sum(set(np.asarray(got[t]).tolist()) == set(np.asarray(ref[t]).tolist()) for t in range(T))
-        bad = topk_errors(got, masked, lens, k, 0.0)
-        say(f"check select_topk {name}: rows equal as sets {same}/{T}, invalid rows {bad}")
-        assert bad == 0
+        gmax = group_maxima(xx, lens)
+        for opts in [dict(), OLD_SELECT, dict(digit_bits=4), dict(num_warps=16), dict(gmax=gmax)]:
+            got = jax.jit(functools.partial(select_topk_pallas, topk=k, **opts))(xx, lens)
+            same = sum(set(np.asarray(got[t]).tolist()) == set(np.asarray(ref[t]).tolist()) for t in range(T))
+            bad = topk_errors(got, masked, lens, k, 0.0)
+            say(f"check select_topk {name} {label({o: v for o, v in opts.items() if o != 'gmax'})}"
+                f"{' gmax given' if 'gmax' in opts else ''}: rows equal as sets {same}/{T}, invalid rows {bad}")
+            assert bad == 0
 
 
 def paged_problem(key, T, S, ctx, Hi=64, D=128, page_size=64, dtype=jnp.bfloat16):
@@ -106,10 +150,13 @@ def check_indexer():
     ref_logits = index_logits_reference(q, w, k_cache, **kw)
     got_logits = jax.jit(lambda *a: index_logits_pallas(*a, **kw))(q, w, k_cache)[:T]
     e = rel_err(jnp.where(jnp.isfinite(ref_logits), got_logits, 0), jnp.where(jnp.isfinite(ref_logits), ref_logits, 0))
-    got = jax.jit(lambda *a: indexer_topk_pallas(*a, topk=k, **kw))(q, w, k_cache)
     tol = 1e-4 * float(jnp.max(jnp.where(jnp.isfinite(ref_logits), jnp.abs(ref_logits), 0)))
-    bad = topk_errors(got, ref_logits, lens, k, tol)
-    say(f"check indexer bf16 paged: logits rel err {e:.2e}, invalid top-k rows {bad}/{T}")
+    bad = 0
+    for opts in [dict(), OLD_INDEXER]:
+        got = jax.jit(lambda *a: indexer_topk_pallas(*a, topk=k, **kw, **opts))(q, w, k_cache)
+        bad_opts = topk_errors(got, ref_logits, lens, k, tol)
+        say(f"check indexer bf16 paged {label(opts)}: logits rel err {e:.2e}, invalid top-k rows {bad_opts}/{T}")
+        bad += bad_opts
     k8, sc = quantize_index_k_fp8(k_cache)
     ref8 = index_logits_reference(q, w, k8, k_scale=sc, **kw)
     got8 = jax.jit(lambda *a: indexer_topk_pallas(*a, k_scale=sc, topk=k, **kw))(q, w, k8)
@@ -129,7 +176,7 @@ def check_sparse_mla():
     cache = jax.random.normal(ks[1], (rows // 64, 64, 576)).astype(jnp.bfloat16)
     idx = jax.random.randint(ks[2], (T, k), 0, rows).astype(jnp.int32)
     idx = idx.at[1, 100:].set(-1).at[2].set(-1).at[3, ::2].set(-1)
-    for opts in [dict(), dict(block_h=64, num_warps=8)]:
+    for opts in [dict(), OLD_MLA, dict(num_splits=8), dict(num_splits=2, block_h=64, num_warps=8)]:
         got = jax.jit(lambda *a: sparse_mla_attention_pallas(*a, scale=576 ** -0.5, **opts))(q, cache, idx)
         ref = sparse_mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), idx, scale=576 ** -0.5)
         e = rel_err(got.astype(jnp.float32), ref)
@@ -155,16 +202,35 @@ def check_gmm():
 
 # ------------------------------------------------------------------------------------------------- timings
 
+SELECT_VARIANTS = [OLD_SELECT, dict(), dict(early_stop=False), dict(compaction="row"), dict(digit_bits=2),
+                   dict(digit_bits=4), dict(num_warps=16), dict(chunk=8192), dict(chunk=8192, num_warps=16),
+                   dict(num_stages=2), dict(compact_lanes=16384), dict(compact_lanes=1024)]
+
+
 @section
 def bench_select(quick):
+    """Exact top-2048 of 4096 rows x 65536 float32 (the issue-14 target: >= 10x lax.top_k, faster than torch.topk).
+    `{}` = the defaults (SELECT_TILES); the `gmax given` row is the select as the indexer runs it, the group maxima
+    coming from the logits kernel."""
     T, N, k = 4096, 65536, 2048
     x = jax.random.normal(jax.random.key(5), (T, N))
     lens = jnp.full((T,), N, jnp.int32)
     t_ref = timeit(jax.jit(lambda x: lax.top_k(x, k)[1]), x)
+    t_torch = torch_topk_seconds(x, k)
+    if t_torch is not None:
+        say(f"  torch.topk {T}x{N} k={k}: {t_torch * 1e3:.3f} ms; lax.top_k {t_ref * 1e3:.3f} ms")
     floor = T * N * 4 / HBM_BPS
-    for opts in ([dict()] if quick else [dict(), dict(gmax_in_registers=0), dict(chunk=4096, num_warps=16)]):
+    vs_torch = (lambda t: f"ref = lax.top_k; torch x{t_torch / t:.2f}") if t_torch else (lambda t: "ref = lax.top_k")
+    for opts in ([OLD_SELECT, dict()] if quick else SELECT_VARIANTS):
         f = jax.jit(lambda x, l: select_topk_pallas(x, l, k, **opts))
-        row(f"select top-2048 4096x65536 {opts}", timeit(f, x, lens), t_ref, floor, "ref = lax.top_k")
+        t_k = timeit(f, x, lens)
+        row(f"select top-2048 4096x65536 {'OLD ' if opts is OLD_SELECT else ''}{label(opts)}", t_k, t_ref, floor,
+            vs_torch(t_k))
+    gmax = jax.jit(group_maxima)(x, lens)
+    for opts in [dict()] if quick else [dict(), dict(num_warps=16), dict(digit_bits=4)]:
+        f = jax.jit(lambda x, g, l: select_topk_pallas(x, l, k, gmax=g, **opts))
+        row(f"select top-2048 4096x65536 gmax given {label(opts)}", timeit(f, x, gmax, lens), t_ref, floor,
+            "ref = lax.top_k; reads N/4 maxima + 8k candidates per row")
 
 
 def xla_indexer(q, w, k_seq, kv_lens, topk, chunk=64):
@@ -187,12 +253,22 @@ def xla_indexer(q, w, k_seq, kv_lens, topk, chunk=64):
     return one((q, w, k_seq, kv_lens))
 
 
+def indexer_variants(kind, T, ctx, quick):
+    """Kernel options timed per case: the defaults and the pre-issue-14 kernels everywhere; at decode the select's
+    knobs too (B=1 over a long context is one select program per row: its latency is the case)."""
+    if quick or kind == "prefill":
+        return [dict(), OLD_INDEXER]
+    extra = [dict(digit_bits=4), dict(digit_bits=2), dict(fuse_group_max=False)]
+    if ctx >= 131072:  # the long-row tiles (16 warps, maxima in registers) against 8 warps reading them from L2
+        extra += [dict(num_warps=8, gmax_in_registers=16384), dict(num_warps=16, digit_bits=4)]
+    return [dict(), OLD_INDEXER] + extra
+
+
 @section
 def bench_indexer(quick):
     k, Hi, D = 2048, 64, 128
-    cases = [("decode", 1), ("decode", 32), ("prefill", 2048)]
-    ctxs = CTXS
-    for ctx in ctxs:
+    cases = [(kind, T) for kind, T in [("decode", 1), ("decode", 32), ("prefill", 2048)] if kind in INDEXER_KINDS]
+    for ctx in CTXS:
         for kind, T in cases:
             S = T if kind == "decode" else 1
             q, w, k_cache, pt = paged_problem(jax.random.key(ctx + T), T, S, ctx)
@@ -207,14 +283,16 @@ def bench_indexer(quick):
                 keys_read = ctx
                 flops = 2 * Hi * D * int(lens.sum())
             kw = dict(kv_lens=lens, page_table=pt, seq_ids=seq)
-            f = jax.jit(lambda q, w, kc: indexer_topk_pallas(q, w, kc, topk=k, **kw))
-            t_k = timeit(f, q, w, k_cache)
             k_seq = k_cache[pt].reshape(S, ctx, D)
             k_seq = k_seq[0] if kind == "prefill" else k_seq
             t_r = timeit(jax.jit(lambda q, w, ks: xla_indexer(q, w, ks, lens, k)), q, w, k_seq)
             bytes_ = keys_read * D * 2 + T * Hi * D * 2 + T * k * 4
             floor = max(bytes_ / HBM_BPS, flops / MXU_FLOPS)
-            row(f"indexer bf16 {kind} T={T} ctx={ctx}", t_k, t_r, floor, "ref = XLA logits + lax.top_k")
+            for opts in indexer_variants(kind, T, ctx, quick):
+                f = jax.jit(lambda q, w, kc: indexer_topk_pallas(q, w, kc, topk=k, **kw, **opts))
+                old = "OLD " if opts is OLD_INDEXER else ""
+                row(f"indexer bf16 {kind} T={T} ctx={ctx} {old}{label(opts)}", timeit(f, q, w, k_cache), t_r, floor,
+                    "ref = XLA logits + lax.top_k")
             if kind == "decode" and T == 32:
                 k8, sc = quantize_index_k_fp8(k_cache)
                 f8 = jax.jit(lambda q, w, kc, s: indexer_topk_pallas(q, w, kc, k_scale=s, topk=k, **kw))
@@ -223,19 +301,42 @@ def bench_indexer(quick):
                     "ref = XLA bf16")
 
 
+def mla_variants(B, listed, quick):
+    """`{}` = the defaults (default_tiles: at decode DECODE_TARGET_PROGRAMS decides the splits)."""
+    if quick:
+        return [OLD_MLA, dict()]
+    if listed < 2048:  # what trimming the −1 tail saves
+        return [OLD_MLA, dict(), dict(num_splits=1)]
+    splits = [dict(num_splits=n) for n in (1, 2, 4, 8, 16) if B * n <= 512]
+    return [OLD_MLA, dict()] + splits + [
+        # 64-head blocks on 8 warps get Hopper's wgmma (32-head blocks lower to mma.sync) at the price of ~800 bytes
+        # of register spills (Triton 3.6, sm_90); 8 warps on 32 heads: 231 registers, no spills.
+        dict(num_stages=2), dict(block_k=64, num_stages=2), dict(block_h=64, num_warps=8),
+        dict(block_h=64, num_warps=8, block_k=16), dict(block_h=64, num_warps=8, num_stages=2),
+        dict(block_h=32, num_warps=8), dict(block_k=16, num_stages=3)]
+
+
 @section
 def bench_sparse_mla(quick):
+    """Decode (one query per sequence, a full top-2048 list each, random rows of a 256k-row cache). Floor = the
+    bytes (rows gathered once, q, out, indices) at 4.25 TB/s, the issue's measure; the note gives the FLOP floor,
+    which is larger from B=128 on (2·H·k·(576+512) FLOPs per query at 810 TFLOP/s)."""
     H, k, rows = 128, 2048, 1 << 18
     cache = jax.random.normal(jax.random.key(6), (rows // 64, 64, 576)).astype(jnp.bfloat16)
-    for B in [1, 32, 128]:
+    cases = [(B, k) for B in (1, 32, 128)] + [(32, 1024)]  # the last: contexts shorter than k, lists half −1
+    for B, listed in cases:
         q = jax.random.normal(jax.random.key(B), (B, H, 576)).astype(jnp.bfloat16)
         idx = jax.random.randint(jax.random.key(B + 1), (B, k), 0, rows).astype(jnp.int32)
+        idx = jnp.where(jnp.arange(k) < listed, idx, -1)
         t_r = timeit(jax.jit(lambda q, c, i: sparse_mla_attention_reference(q, c, i, scale=0.04)), q, cache, idx)
-        floor = (B * k * 576 * 2 + B * H * 576 * 2 + B * H * 512 * 2 + B * k * 4) / HBM_BPS
-        for opts in ([dict()] if quick else [dict(), dict(num_stages=2), dict(num_stages=3, block_k=16),
-                                             dict(block_k=64, num_stages=3)]):
+        floor = (B * listed * 576 * 2 + B * H * 576 * 2 + B * H * 512 * 2 + B * k * 4) / HBM_BPS
+        flop_floor = 2 * B * H * listed * (576 + 512) / MXU_FLOPS
+        for opts in mla_variants(B, listed, quick):
             f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
-            row(f"sparse MLA decode B={B} {opts}", timeit(f, q, cache, idx), t_r, floor, "ref = XLA gather+einsum")
+            old = "OLD " if opts is OLD_MLA else ""
+            t_k = timeit(f, q, cache, idx)
+            row(f"sparse MLA decode B={B} keys={listed} {old}{label(opts)}", t_k, t_r, floor,
+                f"FLOP floor {flop_floor * 1e3:.3f} ms = {100 * flop_floor / t_k:.0f}%")
 
 
 @section
@@ -307,25 +408,27 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one variant and one context per section")
-    ap.add_argument("--only", default="", help="comma list of sections: select,indexer,mla,mla_prefill,gmm")
+    ap.add_argument("--only", default="", help="comma list of sections: select,indexer,mla (decode and prefill),mla_decode,mla_prefill,gmm")
     ap.add_argument("--log", default=None)
     ap.add_argument("--ctx", default="8192,32768,131072", help="indexer contexts")
+    ap.add_argument("--indexer-kinds", default="decode,prefill", help="indexer cases: decode (B=1, 32), prefill")
     args = ap.parse_args()
     CTXS[:] = [int(c) for c in args.ctx.split(",")]
+    INDEXER_KINDS[:] = args.indexer_kinds.split(",")
     open_log(args.log)
     say(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     only = set(filter(None, args.only.split(",")))
     want = lambda s: not only or s in only  # noqa: E731
     if args.check:
-        for name, fn in [("select", check_select), ("indexer", check_indexer), ("mla", check_sparse_mla),
-                         ("gmm", check_gmm)]:
-            if want(name):
+        for names, fn in [(["select"], check_select), (["indexer"], check_indexer),
+                          (["mla", "mla_decode"], check_sparse_mla), (["gmm"], check_gmm)]:
+            if any(map(want, names)):
                 fn()
     if want("select"):
         bench_select(args.quick)
     if want("gmm"):
         bench_gmm(args.quick)
-    if want("mla"):
+    if want("mla") or want("mla_decode"):
         bench_sparse_mla(args.quick)
     if want("mla") or want("mla_prefill"):
         bench_sparse_mla_prefill(args.quick)

@@ -22,22 +22,14 @@ Output: int32[T, topk] logical token positions within the query's sequence (not 
 hold all of them, then −1. Ties at the k-th value keep the lowest positions (the same rule as `lax.top_k`).
 
 Pallas path (two kernels, Triton lowering, `interpret=True` on CPU):
-  1. `_index_logits`: grid (query blocks × key blocks). Each program loads one key tile per sequence present in its
-     query block (K tile reused by all its queries), does `[Hi, D] @ [D, KB]` on the tensor cores per query,
-     relu, weights, head-sum, FP8 scale, masks with -inf past `kv_lens`, and skips tiles past the block's
-     longest row. Writes float32 logits `[T, Npad]`.
-  2. `_select_topk`: one program per row; an exact selection without sorting:
-     a. pass over the row: order-preserving int32 keys, max over groups of G=4 keys -> `gmax` (scratch);
-     b. binary search (32 counting passes over `gmax`, N/4 values, held in registers when N/4 <= 16384, else
-        re-read from L2 chunk by chunk) for the k-th largest group max `t_lo`. At
-        least k groups hold a key >= t_lo, so the k-th largest key is >= t_lo, and keys >= t_lo sit in at most
-        ~k groups: at most 4k candidates (more only with ties at t_lo);
-     c. second pass over the row compacts candidates (key, position) with a prefix sum into a 4k scratch;
-     d. binary search on the bit pattern (32 counting passes over <= 4k candidates) for the exact k-th largest
-        key T*, then one compaction pass writes every candidate > T* plus the first ties == T*.
-     If ties overflow the 4k scratch (rare: many equal logits), the row falls back to the same search and
-     compaction over the whole row. Work per row: two reads of the row plus 32 passes over N/4 + 4k values,
-     against a full sort's log²N passes.
+  1. `_index_logits`: grid (query blocks × key blocks), so the context is split over many programs also for one
+     query. Each program loads one key tile per sequence present in its query block (K tile reused by all its
+     queries), does `[Hi, D] @ [D, KB]` on the tensor cores per query, relu, weights, head-sum, FP8 scale, masks
+     with -inf past `kv_lens`, and skips tiles past the block's longest row. Writes float32 logits `[T, Npad]`
+     and (`FUSE_GROUP_MAX`) the maxima of each group of 4 logits as order keys, `[T, Npad / 4]`.
+  2. `select_topk` (`topk_select.py`): one program per row, an exact selection without sorting: a bound from the
+     group maxima (in registers), the <= 4·k keys of the groups above it gathered into registers, the exact k-th
+     key among them, one emission pass. It reads the logits row only for those candidates.
 """
 
 from __future__ import annotations
@@ -51,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._dispatch import dot_precision, first_problem, next_pow2, pow2_tile_problem, resolve_impl
+from .topk_select import GROUP, masked_keys_and_group_max, select_topk_pallas  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -132,23 +125,23 @@ def indexer_topk(q, weights, k_cache, *, kv_lens, topk: int, page_table=None, se
 # Pallas kernels
 # ----------------------------------------------------------------------------------------------------------------
 
-_INT_MIN = -(2**31)
-_INT_MAX = 2**31 - 1
-_GROUP = 4  # keys per group in the first-pass group maxima (candidates <= _GROUP * topk)
-
-
 def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, block_q, block_kv, page_size,
-                         max_pages, fp8):
-    if fp8:
-        ks_ref, o_ref = rest
-    else:
-        (o_ref,) = rest
+                         max_pages, fp8, group):
+    ks_ref = rest[0] if fp8 else None
+    o_ref, *gmax_out = rest[1:] if fp8 else rest
     t0 = pl.program_id(0) * block_q
     j0 = pl.program_id(1) * block_kv
     pos = j0 + jnp.arange(block_kv)
     lens = [lens_ref[t0 + i] for i in range(block_q)]
     longest = functools.reduce(jnp.maximum, lens)
     d = k_ref.shape[-1]
+
+    def write(t, row, n_valid):
+        o_ref[t, pl.ds(j0, block_kv)] = jnp.where(pos < n_valid, row, -jnp.inf)
+        if gmax_out:
+            # The select kernel's group maxima, from the tile in registers: it then never reads a row for them.
+            gmax_out[0][t, pl.ds(j0 // group, block_kv // group)] = masked_keys_and_group_max(
+                row, pos, n_valid, group)[1]
 
     def load_tile(s):
         # Logical positions -> flat cache rows through the page table (gathered per key, so any power-of-two
@@ -181,19 +174,21 @@ def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, 
             scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                      precision=dot_precision(k_tile.dtype))
             w = w_ref[t, :].astype(jnp.float32)
-            row = jnp.sum(jnp.maximum(scores, 0.0) * w[:, None], axis=0) * k_scale
-            o_ref[t, pl.ds(j0, block_kv)] = jnp.where(pos < lens[i], row, -jnp.inf)
+            write(t, jnp.sum(jnp.maximum(scores, 0.0) * w[:, None], axis=0) * k_scale, lens[i])
 
     @pl.when(j0 >= longest)
     def _masked():
         for i in range(block_q):
-            o_ref[t0 + i, pl.ds(j0, block_kv)] = jnp.full((block_kv,), -jnp.inf, jnp.float32)
+            write(t0 + i, jnp.zeros((block_kv,), jnp.float32), 0)
 
 
 def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_ids=None, k_scale=None,
                         n_pad: int | None = None, block_q: int | None = None, block_kv: int = 128,
-                        num_warps: int = 4, interpret: bool = False):
-    """float32 logits [T_pad, n_pad] (rows past T and columns past the page table are -inf / padding)."""
+                        num_warps: int = 4, group_max: int = 0, interpret: bool = False):
+    """float32 logits [T_pad, n_pad] (rows past T and columns past the page table are -inf / padding).
+
+    With `group_max = G > 0` also the rows' group maxima (`topk_select.masked_keys_and_group_max`) int32
+    [T_pad, n_pad / G], returned as (logits, gmax) for `select_topk_pallas(..., gmax=)`."""
     T, Hi, D = q.shape
     k_cache, k_scale, page_table, seq_ids = _normalise_layout(k_cache, k_scale, page_table, seq_ids, T)
     num_pages, page_size, _ = k_cache.shape
@@ -203,6 +198,8 @@ def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_id
     n_keys = max_pages * page_size
     n_pad = n_pad or n_keys
     block_kv = min(block_kv, n_pad)
+    if group_max and block_kv % group_max:
+        raise ValueError(f"the key tile {block_kv} must hold whole groups of {group_max}")
     if block_q is None:
         # Decode (one query per sequence) gains nothing from blocking queries; prefill reuses each K tile 4x.
         block_q = 4 if T >= 64 else 1
@@ -219,177 +216,41 @@ def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_id
     args = [seqs, lens, page_table, q, weights, k_flat]
     if fp8:
         args.append(k_scale.reshape(num_pages * page_size).astype(jnp.float32))
+    out_shape = [jax.ShapeDtypeStruct((t_pad, n_pad), jnp.float32)]
+    if group_max:
+        out_shape.append(jax.ShapeDtypeStruct((t_pad, n_pad // group_max), jnp.int32))
     kernel = functools.partial(_index_logits_kernel, block_q=block_q, block_kv=block_kv, page_size=page_size,
-                               max_pages=max_pages, fp8=fp8)
-    return pl.pallas_call(
+                               max_pages=max_pages, fp8=fp8, group=group_max)
+    out = pl.pallas_call(
         kernel,
         grid=(t_pad // block_q, n_pad // block_kv),
-        out_shape=jax.ShapeDtypeStruct((t_pad, n_pad), jnp.float32),
+        out_shape=tuple(out_shape),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="index_logits",
     )(*args)
+    return tuple(out) if group_max else out[0]
 
 
-def _order_key(x):
-    """float32 -> int32 with the same order (flip the magnitude bits of negatives)."""
-    u = lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(u >= 0, u, u ^ jnp.int32(_INT_MAX))
-
-
-def _kth_largest_key(count_ge, k):
-    """Largest int32 t with count_ge(t) >= k: binary search over the 32-bit range, one counting pass per bit."""
-
-    def step(_, lohi):
-        lo, hi = lohi  # invariant: count_ge(lo) >= k > count_ge(hi)
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
-        ok = count_ge(mid) >= k
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    lo, _ = lax.fori_loop(0, 32, step, (jnp.int32(_INT_MIN + 1), jnp.int32(_INT_MAX)))
-    return lo
-
-
-def _select_kernel(lens_ref, logit_ref, out_ref, gmax_ref, ckey_ref, cidx_ref, *, n_cols, topk, topk_pad, chunk,
-                   cap, gmax_in_registers, interpret):
-    def barrier():
-        # Scratch written by some threads of the program is read back by others: order it on the GPU (the
-        # interpreter runs a program sequentially and has no barrier primitive).
-        if not interpret:
-            plgpu.debug_barrier()
-
-    t = pl.program_id(0)
-    n_valid = jnp.minimum(lens_ref[t], n_cols)
-    k_eff = jnp.minimum(n_valid, topk)
-    n_chunks = pl.cdiv(n_valid, chunk)  # chunks past the row's last valid key are never read
-    gchunk = chunk // _GROUP
-    out_ref[t, :] = jnp.full((topk_pad,), -1, jnp.int32)
-
-    def row_chunk(c):
-        start = c * chunk
-        pos = start + jnp.arange(chunk, dtype=jnp.int32)
-        key = _order_key(logit_ref[t, pl.ds(start, chunk)])
-        return jnp.where(pos < n_valid, key, _INT_MIN), pos
-
-    def select(load_chunk, nchunks):
-        """Write the k_eff largest keys' positions (ties: lowest positions first) into out_ref[t]."""
-
-        def count(pred):
-            return lax.fori_loop(0, nchunks, lambda c, n: n + jnp.sum(pred(load_chunk(c)[0]).astype(jnp.int32)),
-                                 jnp.int32(0))
-
-        thr = _kth_largest_key(lambda mid: count(lambda key: key >= mid), k_eff)
-        need_ties = k_eff - count(lambda key: key > thr)
-
-        def emit(c, carry):
-            base, ties = carry
-            key, pos = load_chunk(c)
-            gt = key > thr
-            eq = key == thr
-            eq_rank = ties + jnp.cumsum(eq.astype(jnp.int32))
-            sel = gt | (eq & (eq_rank <= need_ties))
-            slot = base + jnp.cumsum(sel.astype(jnp.int32)) - 1
-            slot = jnp.where(sel, slot, topk_pad)  # unselected lanes point past the row (and are masked)
-            plgpu.store(out_ref.at[jnp.full(slot.shape, t, jnp.int32), slot], pos, mask=sel)
-            return base + jnp.sum(sel.astype(jnp.int32)), ties + jnp.sum(eq.astype(jnp.int32))
-
-        lax.fori_loop(0, nchunks, emit, (jnp.int32(0), jnp.int32(0)))
-
-    # (a, b) Lower bound t_lo on the k-th largest key from group maxima; rows that fit the candidate buffer whole
-    # skip it (t_lo = smallest valid key).
-    def group_bound():
-        def store_gmax(c, carry):
-            key, _pos = row_chunk(c)
-            gmax_ref[t, pl.ds(c * gchunk, gchunk)] = jnp.max(key.reshape(gchunk, _GROUP), axis=1)
-            return carry
-
-        lax.fori_loop(0, n_chunks, store_gmax, None)
-        barrier()
-
-        n_groups = n_cols // _GROUP
-        if n_groups <= gmax_in_registers and not n_groups & (n_groups - 1):
-            # The whole row of group maxima fits in registers: the 32 counting passes touch no memory (a loop
-            # over L2-resident chunks is bound by load latency, one dependent load + reduction per step).
-            lane = jnp.arange(n_groups, dtype=jnp.int32)
-            g = plgpu.load(gmax_ref.at[t, pl.ds(0, n_groups)], mask=lane < n_chunks * gchunk, other=_INT_MIN)
-
-            def count_ge(mid):
-                return jnp.sum((g >= mid).astype(jnp.int32))
-        else:
-            def count_ge(mid):
-                return lax.fori_loop(
-                    0, n_chunks,
-                    lambda c, n: n + jnp.sum((gmax_ref[t, pl.ds(c * gchunk, gchunk)] >= mid).astype(jnp.int32)),
-                    jnp.int32(0))
-
-        return _kth_largest_key(count_ge, k_eff)
-
-    # (The else branch derives its constant from n_valid: Triton's cond lowering needs an IR value to yield.)
-    t_lo = lax.cond(n_valid > cap, group_bound, lambda: n_valid * 0 + (_INT_MIN + 1))
-
-    # (c) Compact candidates (key >= t_lo) in position order.
-    def compact(c, base):
-        key, pos = row_chunk(c)
-        cand = key >= t_lo
-        slot = base + jnp.cumsum(cand.astype(jnp.int32)) - 1
-        keep = cand & (slot < cap)
-        slot = jnp.where(keep, slot, cap)
-        rows = jnp.full(slot.shape, t, jnp.int32)
-        plgpu.store(ckey_ref.at[rows, slot], key, mask=keep)
-        plgpu.store(cidx_ref.at[rows, slot], pos, mask=keep)
-        return base + jnp.sum(cand.astype(jnp.int32))
-
-    total = lax.fori_loop(0, n_chunks, compact, jnp.int32(0))
-    barrier()
-
-    # (d) Exact select among the candidates held in registers, or (ties overflowed the buffer) over the row.
-    @pl.when(total <= cap)
-    def _fast():
-        lane = jnp.arange(cap, dtype=jnp.int32)
-        ckey = jnp.where(lane < total, ckey_ref[t, :], _INT_MIN)
-        cidx = cidx_ref[t, :]
-        select(lambda c: (ckey, cidx), 1)
-
-    @pl.when(total > cap)
-    def _slow():
-        select(row_chunk, n_chunks)
-
-
-def select_topk_pallas(logits, kv_lens, topk: int, *, n_rows: int | None = None, chunk: int = 2048,
-                       num_warps: int = 8, gmax_in_registers: int = 16384, interpret: bool = False):
-    """Exact top-k positions of each row of float32 logits [R, N] among its first kv_lens[r] entries -> [n_rows,
-    topk] int32, −1 padded. N must be a multiple of `chunk` (a power of two; smaller rows use one chunk)."""
-    R, N = logits.shape
-    n_rows = R if n_rows is None else n_rows
-    chunk = min(chunk, N)
-    if N % chunk or chunk & (chunk - 1) or chunk < _GROUP:
-        raise ValueError(f"row length {N} must be a multiple of a power-of-two chunk {chunk} >= {_GROUP}")
-    topk_pad = next_pow2(topk)
-    cap = _GROUP * topk_pad
-    kernel = functools.partial(_select_kernel, n_cols=N, topk=topk, topk_pad=topk_pad, chunk=chunk, cap=cap,
-                               gmax_in_registers=gmax_in_registers, interpret=interpret)
-    out, *_ = pl.pallas_call(
-        kernel,
-        grid=(n_rows,),
-        out_shape=(jax.ShapeDtypeStruct((n_rows, topk_pad), jnp.int32),
-                   jax.ShapeDtypeStruct((n_rows, N // _GROUP), jnp.int32),  # scratch: group maxima
-                   jax.ShapeDtypeStruct((n_rows, cap), jnp.int32),  # scratch: candidate keys
-                   jax.ShapeDtypeStruct((n_rows, cap), jnp.int32)),  # scratch: candidate positions
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="select_topk",
-    )(kv_lens.astype(jnp.int32), logits)
-    return out if topk_pad == topk else out[:, :topk]
+# Whether the indexer's logits kernel also writes the group maxima the select searches (saves the select one read
+# of every logits row); False restores the select's own pass.
+FUSE_GROUP_MAX = True
 
 
 def indexer_topk_pallas(q, weights, k_cache, *, kv_lens, topk, page_table=None, seq_ids=None, k_scale=None,
-                        interpret=False, chunk: int = 2048, block_q: int | None = None):
+                        interpret=False, chunk: int = 2048, block_q: int | None = None,
+                        fuse_group_max: bool | None = None, **select_options):
+    """Logits kernel then select kernel; `select_options` go to `select_topk_pallas` (tiles, digit_bits, ...)."""
     T = q.shape[0]
+    fuse = FUSE_GROUP_MAX if fuse_group_max is None else fuse_group_max
     k_cache_n, _, page_table_n, _ = _normalise_layout(k_cache, k_scale, page_table, seq_ids, T)
     n_keys = page_table_n.shape[1] * k_cache_n.shape[1]
     chunk = min(chunk, max(16, next_pow2(n_keys)))
     n_pad = pl.cdiv(n_keys, chunk) * chunk
     kv_lens = jnp.minimum(kv_lens.astype(jnp.int32), n_keys)
     logits = index_logits_pallas(q, weights, k_cache, kv_lens=kv_lens, page_table=page_table, seq_ids=seq_ids,
-                                 k_scale=k_scale, n_pad=n_pad, block_q=block_q, interpret=interpret)
-    return select_topk_pallas(logits, kv_lens, topk, n_rows=T, chunk=chunk, interpret=interpret)
+                                 k_scale=k_scale, n_pad=n_pad, block_q=block_q, group_max=GROUP if fuse else 0,
+                                 interpret=interpret)
+    logits, gmax = logits if fuse else (logits, None)
+    return select_topk_pallas(logits, kv_lens, topk, gmax=gmax, n_rows=T, chunk=chunk, interpret=interpret,
+                              **select_options)

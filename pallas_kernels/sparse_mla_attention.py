@@ -12,11 +12,17 @@ Layouts:
   * `q` is the absorbed query (`q_nope · W_UK` concatenated with `q_pe`); `scale` is the softmax scale.
 A query whose indices are all −1 gets zeros. Softmax is online, in float32; the output has q's dtype.
 
-Pallas kernel (Triton lowering): grid (T, H / BH). A program holds BH heads of one query and walks its topk
-indices in chunks of BK: gathers BK latent rows (the row pointers come from the index chunk), scores
+Pallas kernel (Triton lowering): grid (H / BH, S, T). A program holds BH heads of one query (heads are the
+matmul M dimension: every head shares the query's index list) and walks one of S splits of its top-k list in
+chunks of BK: gathers BK latent rows (the row pointers come from the index chunk), scores
 `q_nope·kv[:, :Dl] + q_rope·kv[:, Dl:]` on the tensor cores, online-softmax update of a float32 [BH, Dl]
 accumulator, `P @ kv[:, :Dl]`. Both dots reuse the one gathered tile, so the bytes read are the selected rows once
-per head block (the head blocks of one query run next to each other and share them through L2).
+per head block (the head blocks of one query are adjacent in the grid and share them through L2).
+
+Prefill chunks have T·H/BH programs to spare and take S = 1. Decode batches have few queries, so the list is split
+(flash-decoding): S > 1 programs per (query, head block) each write a normalised partial output and its
+log-sum-exp in float32, and an XLA combine weighs them (`_combine_splits`). With `trim`, a program stops at its
+split's last listed index: a decode over a context shorter than k gathers only what the indexer listed.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, pow2_tile_problem, resolve_impl
+from ._dispatch import dot_precision, next_pow2, pow2_tile_problem, resolve_impl
 
 
 def logical_to_cache_rows(indices, page_table, seq_ids, page_size: int):
@@ -56,10 +62,11 @@ def sparse_mla_attention_reference(q, latent_cache, indices, *, scale: float, kv
     return out.astype(q.dtype)
 
 
-def _sparse_mla_kernel(idx_ref, q_ref, kv_ref, o_ref, *, scale, dl, dr, block_h, block_k, topk):
-    t = pl.program_id(0)
-    h0 = pl.program_id(1) * block_h
-    heads = h0 + jnp.arange(block_h)
+def _sparse_mla_kernel(idx_ref, q_ref, kv_ref, *out_refs, scale, dl, dr, block_h, block_k, split_len, trim):
+    h0 = pl.program_id(0) * block_h
+    split = pl.program_id(1)
+    t = pl.program_id(2)
+    k0 = split * split_len
     q_nope = q_ref[t, pl.ds(h0, block_h), pl.ds(0, dl)]
     q_rope = q_ref[t, pl.ds(h0, block_h), pl.ds(dl, dr)]
     cols_l = jnp.arange(dl)[None, :]
@@ -68,7 +75,7 @@ def _sparse_mla_kernel(idx_ref, q_ref, kv_ref, o_ref, *, scale, dl, dr, block_h,
 
     def body(c, carry):
         m, l, acc = carry
-        idx = idx_ref[t, pl.ds(c * block_k, block_k)]
+        idx = idx_ref[t, pl.ds(k0 + c * block_k, block_k)]
         valid = idx >= 0
         rows = jnp.where(valid, idx, 0)[:, None]
         kv = plgpu.load(kv_ref.at[rows, cols_l])  # [BK, Dl] gathered latent rows
@@ -87,52 +94,105 @@ def _sparse_mla_kernel(idx_ref, q_ref, kv_ref, o_ref, *, scale, dl, dr, block_h,
                                              precision=dot_precision(kv.dtype))
         return m_new, l, acc
 
+    if trim:
+        # Walk only up to the split's last listed key: the indexer lists its keys first and pads with −1, so short
+        # contexts (and the splits past them) cost no gathers.
+        listed = idx_ref[t, pl.ds(k0, split_len)] >= 0
+        used = jnp.max(jnp.where(listed, jnp.arange(1, split_len + 1, dtype=jnp.int32), 0))
+        n_chunks = (used + block_k - 1) // block_k
+    else:
+        n_chunks = split_len // block_k
     init = (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32),
             jnp.zeros((block_h, dl), jnp.float32))
-    m, l, acc = lax.fori_loop(0, topk // block_k, body, init)
-    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    o_ref[t, pl.ds(h0, block_h), :] = out.astype(o_ref.dtype)
-    del heads
+    m, l, acc = lax.fori_loop(0, n_chunks, body, init)
+    some = l > 0
+    out = jnp.where(some[:, None], acc / jnp.where(some, l, 1.0)[:, None], 0.0)
+    if len(out_refs) == 1:  # the whole list in one program: the output itself
+        (o_ref,) = out_refs
+        o_ref[t, pl.ds(h0, block_h), :] = out.astype(o_ref.dtype)
+    else:  # one split's softmax state: normalised partial output and log-sum-exp, combined by `_combine_splits`
+        po_ref, lse_ref = out_refs
+        po_ref[t, split, pl.ds(h0, block_h), :] = out
+        lse_ref[t, split, pl.ds(h0, block_h)] = jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+
+
+def _combine_splits(partial_out, lse, dtype):
+    """Softmax-weighted sum of the splits' normalised outputs [T, S, H, Dl] by their log-sum-exps [T, S, H]."""
+    top = jnp.max(lse, axis=1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # every split empty: all weights 0, output 0
+    w = jnp.exp(lse - top)
+    total = jnp.sum(w, axis=1)
+    out = jnp.sum(w[..., None] * partial_out, axis=1)
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
 
 
 # Prefill chunks (many queries) in 16-bit: 64-row gathers, 3 stages in flight. Measured on the H200 at T=2048,
 # H=128, top-2048 (`bench/dsa_kernels.py --only mla_prefill`): 5.6 ms against 10.3 ms for the decode tiles. The
 # three stages of a 64 x 576 16-bit tile take 216 KiB of shared memory, so float32 keeps the small tiles.
-PREFILL_TILES = dict(block_k=64, num_stages=3)
+PREFILL_TILES = dict(block_k=64, num_stages=3, num_splits=1, trim=False)
 PREFILL_MIN_QUERIES = 512
+# Decode (few queries): the top-k list is split over programs until about DECODE_TARGET_PROGRAMS run (two per SM
+# of the H200's 132), each split at least MIN_KEYS_PER_SPLIT keys. DECODE_TARGET_PROGRAMS = 0: one program per
+# (query, head block), the layout before splitting.
+DECODE_TARGET_PROGRAMS = 264
+MIN_KEYS_PER_SPLIT = 256
 
 
-def default_tiles(num_queries: int, dtype) -> dict:
+def decode_splits(num_queries: int, *, heads: int, topk: int, block_h: int = 32) -> int:
+    """How many programs share one query's top-k list (a power of two: 2048-key lists split evenly)."""
+    programs = num_queries * max(heads // block_h, 1)
+    wanted = next_pow2(pl.cdiv(DECODE_TARGET_PROGRAMS, programs)) if DECODE_TARGET_PROGRAMS else 1
+    most = 1 << (max(topk // MIN_KEYS_PER_SPLIT, 1).bit_length() - 1)
+    return max(1, min(wanted, most))
+
+
+def default_tiles(num_queries: int, dtype, *, heads: int, topk: int, block_h: int = 32) -> dict:
     if num_queries >= PREFILL_MIN_QUERIES and jnp.dtype(dtype).itemsize == 2:
         return dict(PREFILL_TILES)
-    return dict(block_k=32, num_stages=1)
+    return dict(block_k=32, num_stages=1, trim=True,
+                num_splits=decode_splits(num_queries, heads=heads, topk=topk, block_h=block_h))
 
 
 def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512,
                                 block_h: int = 32, block_k: int | None = None, num_warps: int = 4,
-                                num_stages: int | None = None, interpret: bool = False):
+                                num_stages: int | None = None, num_splits: int | None = None,
+                                trim: bool | None = None, interpret: bool = False):
+    """Grid (head blocks, splits of the top-k list, queries); options left None take `default_tiles`."""
     T, H, D = q.shape
-    tiles = default_tiles(T, latent_cache.dtype)
-    block_k = tiles["block_k"] if block_k is None else block_k
-    num_stages = tiles["num_stages"] if num_stages is None else num_stages
-    dl, dr = kv_lora_rank, D - kv_lora_rank
     topk = indices.shape[1]
     block_h = min(block_h, H)
     if H % block_h:
         raise ValueError(f"heads {H} must be a multiple of block_h {block_h}")
+    tiles = default_tiles(T, latent_cache.dtype, heads=H, topk=topk, block_h=block_h)
+    block_k = tiles["block_k"] if block_k is None else block_k
+    num_stages = tiles["num_stages"] if num_stages is None else num_stages
+    num_splits = tiles["num_splits"] if num_splits is None else num_splits
+    trim = tiles["trim"] if trim is None else trim
+    dl, dr = kv_lora_rank, D - kv_lora_rank
+    # Each split is a whole number of BK chunks; trimming loads a split's indices at once (a power of two).
+    split_len = pl.cdiv(pl.cdiv(topk, num_splits), block_k) * block_k
+    if trim:
+        split_len = next_pow2(split_len)
     flat = latent_cache.reshape(-1, D)
-    pad = (-topk) % block_k  # pad the index list with −1 up to whole chunks
-    indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, num_splits * split_len - topk)), constant_values=-1)
     kernel = functools.partial(_sparse_mla_kernel, scale=float(scale), dl=dl, dr=dr, block_h=block_h,
-                               block_k=block_k, topk=topk + pad)
-    return pl.pallas_call(
+                               block_k=block_k, split_len=split_len, trim=trim)
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((T, H, dl), q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((T, num_splits, H, dl), jnp.float32),
+                     jax.ShapeDtypeStruct((T, num_splits, H), jnp.float32))
+    out = pl.pallas_call(
         kernel,
-        grid=(T, H // block_h),
-        out_shape=jax.ShapeDtypeStruct((T, H, dl), q.dtype),
+        # Head blocks innermost: the programs that gather the same rows (one query's split) run side by side and
+        # share them through L2.
+        grid=(H // block_h, num_splits, T),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_mla_attention",
     )(indices, q, flat)
+    return out if num_splits == 1 else _combine_splits(*out, q.dtype)
 
 
 def pallas_problem(heads: int, latent_dim: int, rope_dim: int, block_h: int = 32) -> str | None:

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import indexer_topk, quantize_index_k_fp8
-from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, select_topk_pallas,
+from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, indexer_topk_pallas,
                                          topk_reference)
+from pallas_kernels.topk_select import count_ge, kth_largest_key, masked_keys_and_group_max, select_topk_pallas
 
 
 def assert_topk_valid(idx, scores, kv_lens, topk, tol=0.0):
@@ -37,29 +38,82 @@ def assert_topk_valid(idx, scores, kv_lens, topk, tol=0.0):
         assert set(must.tolist()) <= set(sel.tolist()), f"row {t}: missed a key above the k-th score"
 
 
-@pytest.mark.parametrize("distinct,gmax_in_registers", [(True, 16384), (False, 16384), (True, 0)])
-def test_select_topk_matches_reference(distinct, gmax_in_registers):
-    T, N, topk = 7, 128, 8
-    x = jax.random.normal(jax.random.key(1), (T, N), jnp.float32)
-    if not distinct:
-        # Few distinct values: ties at the threshold overflow the 4k candidate buffer -> whole-row fallback.
-        x = jnp.round(x * 0.7)
-    kv_lens = jnp.array([128, 1, 0, 5, 8, 9, 100], jnp.int32)  # full, length 1, empty, shorter than k, = k, ...
-    got = select_topk_pallas(x, kv_lens, topk, chunk=32, gmax_in_registers=gmax_in_registers, interpret=True)
+def _kth_largest_numpy(keys, k):
+    return np.sort(keys)[::-1][k - 1]
+
+
+@pytest.mark.parametrize("digit_bits", [1, 2, 4])
+def test_kth_largest_key_digit_search(digit_bits):
+    """The digit search against a sort, on keys spread over the whole int32 range (both signs, the extremes)."""
+    rng = np.random.default_rng(digit_bits)
+    keys = rng.integers(-(2**31) + 1, 2**31 - 1, size=256, dtype=np.int64).astype(np.int32)
+    keys[:4] = [-(2**31) + 1, 2**31 - 2, -1, 0]
+    keys[4:12] = keys[20]  # a tie
+    search = jax.jit(lambda k, stop_at: kth_largest_key(lambda thr: count_ge(jnp.asarray(keys), thr), k,
+                                                         digit_bits=digit_bits, stop_at=stop_at),
+                     static_argnums=1)
+    for k in [1, 5, 37, 200, 256]:
+        kth = _kth_largest_numpy(keys, k)
+        assert int(search(k, None)) == kth
+        # Stopping once exactly k keys are >= t: t may sit below the k-th key, but cuts off the same k keys.
+        t = int(search(k, k))
+        assert t <= kth and (keys >= t).sum() == (keys >= kth).sum()
+        # A bound: at least k and at most stop_at keys >= t (here no ties straddle it).
+        bound = int(search(k, k + 30))
+        assert k <= (keys >= bound).sum() <= max(k + 30, (keys >= kth).sum())
+
+
+def test_kth_largest_key_with_fewer_keys_than_k():
+    """Fewer than k keys above INT_MIN (invalid positions): the bound is INT_MIN + 1, i.e. every valid key."""
+    keys = jnp.array([5, -(2**31), -(2**31), 7], jnp.int32)
+    t = kth_largest_key(lambda thr: count_ge(keys, thr), 3, digit_bits=2)
+    assert int(t) == -(2**31) + 1
+
+
+SELECT_VARIANTS = [dict(), dict(gmax_in_registers=0), dict(digit_bits=4), dict(digit_bits=2, gmax_in_registers=0),
+                   dict(compaction="row"), dict(compaction="row", digit_bits=4), dict(early_stop=False),
+                   dict(compact_lanes=8)]
+
+
+@pytest.mark.parametrize("options", SELECT_VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_select_topk_matches_reference(options):
+    N, topk = 128, 8
+    x = jax.random.normal(jax.random.key(1), (7, N), jnp.float32)
+    # Rows 7..13 have few distinct values: ties at the bound put more than next_pow2(k) groups above it, so those
+    # rows take the whole-row fallback.
+    x = jnp.concatenate([x, jnp.round(x * 0.7)])
+    kv_lens = jnp.array([128, 1, 0, 5, 8, 9, 100] * 2, jnp.int32)  # full, length 1, empty, shorter than k, = k, ...
+    got = select_topk_pallas(x, kv_lens, topk, chunk=32, interpret=True, **options)
     masked = jnp.where(jnp.arange(N) < kv_lens[:, None], x, -jnp.inf)
     ref = topk_reference(masked, kv_lens, topk)
     assert_topk_valid(got, masked, kv_lens, topk)
     assert_topk_valid(ref, masked, kv_lens, topk)
     # Ties keep the lowest positions, like lax.top_k, so even the tied rows match exactly as sets.
+    for t in range(x.shape[0]):
+        assert set(np.asarray(got[t]).tolist()) == set(np.asarray(ref[t]).tolist())
+
+
+@pytest.mark.parametrize("gmax_in_registers", [16384, 0])
+def test_select_topk_with_given_group_maxima(gmax_in_registers):
+    """Group maxima handed in (as the logits kernel writes them) select the same keys as the kernel's own pass."""
+    T, N, topk, group = 5, 256, 8, 4
+    x = jax.random.normal(jax.random.key(9), (T, N), jnp.float32)
+    kv_lens = jnp.array([256, 200, 33, 31, 0], jnp.int32)
+    pos = jnp.arange(N, dtype=jnp.int32)
+    gmax = jax.vmap(lambda row, n: masked_keys_and_group_max(row, pos, n, group)[1])(x, kv_lens)
+    got = select_topk_pallas(x, kv_lens, topk, gmax=gmax, chunk=64, gmax_in_registers=gmax_in_registers,
+                             interpret=True)
+    ref = topk_reference(jnp.where(pos < kv_lens[:, None], x, -jnp.inf), kv_lens, topk)
     for t in range(T):
         assert set(np.asarray(got[t]).tolist()) == set(np.asarray(ref[t]).tolist())
 
 
-def test_select_topk_non_power_of_two_k_and_negative_scores():
-    T, N, topk = 3, 64, 5
-    x = -jnp.abs(jax.random.normal(jax.random.key(2), (T, N)))  # all negative: exercises the key bit flip
-    kv_lens = jnp.array([64, 40, 3], jnp.int32)
-    got = select_topk_pallas(x, kv_lens, topk, chunk=16, interpret=True)
+def test_select_topk_k_larger_than_the_row():
+    """topk > N: every valid key, then −1 (the candidate buffer is wider than the row)."""
+    T, N, topk = 3, 32, 40
+    x = jax.random.normal(jax.random.key(10), (T, N))
+    kv_lens = jnp.array([32, 17, 0], jnp.int32)
+    got = select_topk_pallas(x, kv_lens, topk, interpret=True)
     masked = jnp.where(jnp.arange(N) < kv_lens[:, None], x, -jnp.inf)
     assert_topk_valid(got, masked, kv_lens, topk)
 
@@ -93,6 +147,26 @@ def test_indexer_topk_paged_prefill_and_decode():
     ref = indexer_topk(q, w, k_cache, topk=topk, impl="xla", **kw)
     assert_topk_valid(got, ref_logits, kv_lens, topk, tol=1e-5)
     assert_topk_valid(ref, ref_logits, kv_lens, topk)
+
+
+@pytest.mark.parametrize("fuse_group_max", [True, False])
+def test_indexer_topk_long_rows_with_fused_group_maxima(fuse_group_max):
+    """Rows longer than 4·next_pow2(k) go through the group-maxima bound, taken from the logits kernel (fused) or
+    from the select's own pass; kv_lens not a multiple of the key tile nor of a page."""
+    Hi, D, page_size, max_pages, topk, T = 4, 16, 8, 8, 4, 6
+    q, w, k_cache, page_table = _paged_problem(jax.random.key(11), T=T, Hi=Hi, D=D, page_size=page_size,
+                                               max_pages=max_pages, num_pages=17)
+    seq_ids = jnp.array([0, 0, 1, 1, 1, 0], jnp.int32)
+    kv_lens = jnp.array([64, 37, 17, 16, 0, 3], jnp.int32)
+    kw = dict(kv_lens=kv_lens, page_table=page_table, seq_ids=seq_ids)
+    ref_logits = index_logits_reference(q, w, k_cache, **kw)
+    logits, gmax = index_logits_pallas(q, w, k_cache, block_kv=16, group_max=4, interpret=True, **kw)
+    pos = jnp.arange(logits.shape[1], dtype=jnp.int32)
+    want_gmax = jax.vmap(lambda row, n: masked_keys_and_group_max(row, pos, n, 4)[1])(logits, kv_lens)
+    np.testing.assert_array_equal(np.asarray(gmax), np.asarray(want_gmax))
+    got = indexer_topk_pallas(q, w, k_cache, topk=topk, chunk=16, fuse_group_max=fuse_group_max, interpret=True,
+                              **kw)
+    assert_topk_valid(got, ref_logits, kv_lens, topk, tol=1e-5)
 
 
 def test_indexer_topk_contiguous_bf16():
@@ -137,13 +211,18 @@ def test_indexer_topk_fp8_cache():
 def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
     """Lowering to the GPU's Triton IR without a GPU catches unsupported primitives and block shapes on CPU."""
     S = jax.ShapeDtypeStruct
-    cuda_lowering(jax.jit(lambda x, n: select_topk_pallas(x, n, 2048)), S((4, 65536), jnp.float32),
-                  S((4,), jnp.int32))
-    cuda_lowering(jax.jit(
-        lambda q, w, k, ks, pt, s, n: indexer_topk(q, w, k, k_scale=ks, kv_lens=n, page_table=pt, seq_ids=s,
-                                                    topk=2048, impl="pallas")),
-        S((64, 64, 128), jnp.bfloat16), S((64, 64), jnp.float32), S((512, 64, 128), jnp.float8_e4m3fn),
-        S((512, 64), jnp.float32), S((2, 256), jnp.int32), S((64,), jnp.int32), S((64,), jnp.int32))
+    for options in SELECT_VARIANTS:
+        cuda_lowering(jax.jit(lambda x, n: select_topk_pallas(x, n, 2048, **options)), S((4, 65536), jnp.float32),
+                      S((4,), jnp.int32))
+    # 128k-key decode rows: the long-row tiles (group maxima in registers over 16 warps), maxima handed in.
+    cuda_lowering(jax.jit(lambda x, g, n: select_topk_pallas(x, n, 2048, gmax=g)), S((1, 131072), jnp.float32),
+                  S((1, 32768), jnp.int32), S((1,), jnp.int32))
+    for fuse in [True, False]:
+        cuda_lowering(jax.jit(
+            lambda q, w, k, ks, pt, s, n: indexer_topk_pallas(q, w, k, k_scale=ks, kv_lens=n, page_table=pt,
+                                                               seq_ids=s, topk=2048, fuse_group_max=fuse)),
+            S((64, 64, 128), jnp.bfloat16), S((64, 64), jnp.float32), S((512, 64, 128), jnp.float8_e4m3fn),
+            S((512, 64), jnp.float32), S((2, 256), jnp.int32), S((64,), jnp.int32), S((64,), jnp.int32))
 
 
 @pytest.mark.gpu

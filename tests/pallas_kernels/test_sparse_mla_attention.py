@@ -55,6 +55,44 @@ def test_sparse_mla_matches_dense_masked_attention():
     assert np.all(np.asarray(got)[2] == 0)
 
 
+@pytest.mark.parametrize("num_splits,trim", [(2, True), (4, True), (3, False), (1, True)])
+def test_split_decode_matches_dense_masked_attention(num_splits, trim):
+    """The top-k list split over programs (flash-decoding), partial softmax states combined after: splits past a
+    row's last key are empty (row 1), a row with no key gives zeros (row 2), holes (row 3); topk 20 is not a
+    multiple of the splits' lengths (8 with trimming, a power of two; 8 then 8 then 8 without)."""
+    dl, scale = 32, 0.2
+    q, cache, idx = _problem(jax.random.key(4), dl=dl)
+    want = dense_masked_attention(q, cache, idx, scale, dl)
+    got = sparse_mla_attention(q, cache, idx, scale=scale, kv_lora_rank=dl, impl="pallas", interpret=True,
+                               block_h=2, block_k=4, num_splits=num_splits, trim=trim)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[2] == 0)
+
+
+def test_split_decode_bf16_keeps_float32_partials():
+    """bf16 in and out; the partial states are float32, so splitting adds no rounding beyond one split's."""
+    dl, scale = 32, 0.15
+    q, cache, idx = _problem(jax.random.key(5), dl=dl, topk=40)
+    qb, cb = q.astype(jnp.bfloat16), cache.astype(jnp.bfloat16)
+    want = dense_masked_attention(qb.astype(jnp.float32), cb.astype(jnp.float32), idx, scale, dl)
+    got = sparse_mla_attention(qb, cb, idx, scale=scale, kv_lora_rank=dl, impl="pallas", interpret=True,
+                               block_h=4, block_k=4, num_splits=4)
+    assert got.dtype == jnp.bfloat16
+    # P is rounded to bf16 before P @ V (as on the tensor cores): bf16-level error, as in test_sparse_mla_bf16.
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
+
+
+def test_decode_splits_follow_the_batch():
+    """Small decode batches split the top-k list to fill the GPU; large ones and prefill chunks do not."""
+    from pallas_kernels.sparse_mla_attention import MIN_KEYS_PER_SPLIT, decode_splits
+
+    one = decode_splits(1, heads=128, topk=2048, block_h=32)
+    assert one == 2048 // MIN_KEYS_PER_SPLIT
+    assert 1 < decode_splits(32, heads=128, topk=2048, block_h=32) < one
+    assert decode_splits(128, heads=128, topk=2048, block_h=32) == 1
+    assert decode_splits(1, heads=128, topk=64, block_h=32) == 1  # a list too short to split
+
+
 def test_sparse_mla_bf16():
     dl, scale = 32, 0.15
     q, cache, idx = _problem(jax.random.key(1), dl=dl)
@@ -76,8 +114,10 @@ def test_logical_to_cache_rows():
 
 def test_sparse_mla_lowers_to_triton(cuda_lowering):
     S = jax.ShapeDtypeStruct
-    cuda_lowering(jax.jit(lambda q, c, i: sparse_mla_attention(q, c, i, scale=0.1, impl="pallas")),
-                  S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32))
+    for options in [dict(), dict(num_splits=8), dict(num_splits=4, block_h=64, num_warps=8, num_stages=2),
+                    dict(num_splits=1, trim=False, block_k=64, num_stages=3)]:
+        cuda_lowering(jax.jit(lambda q, c, i: sparse_mla_attention(q, c, i, scale=0.1, impl="pallas", **options)),
+                      S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32))
 
 
 @pytest.mark.gpu
@@ -93,9 +133,9 @@ def test_prefill_tiles_only_for_16_bit_chunks():
     """The large prefill tiles need 216 KiB of shared memory in 16-bit; float32 chunks and decode keep the small."""
     from pallas_kernels.sparse_mla_attention import PREFILL_MIN_QUERIES, PREFILL_TILES, default_tiles
 
-    assert default_tiles(PREFILL_MIN_QUERIES, jnp.bfloat16) == PREFILL_TILES
-    assert default_tiles(PREFILL_MIN_QUERIES, jnp.float32)["block_k"] == 32
-    assert default_tiles(PREFILL_MIN_QUERIES - 1, jnp.bfloat16)["block_k"] == 32
+    assert default_tiles(PREFILL_MIN_QUERIES, jnp.bfloat16, heads=128, topk=2048) == PREFILL_TILES
+    assert default_tiles(PREFILL_MIN_QUERIES, jnp.float32, heads=128, topk=2048)["block_k"] == 32
+    assert default_tiles(PREFILL_MIN_QUERIES - 1, jnp.bfloat16, heads=128, topk=2048)["block_k"] == 32
 
 
 def test_prefill_tiles_match_reference_in_interpret_mode():
