@@ -52,8 +52,9 @@ def agreeing(model):
     return merge_params(graphdef, abstract_state(state), params)
 
 
-def per_token_ms(model, k: int, args, vocab: int) -> list[dict]:
-    """One engine (decode buckets: the batch sizes) -> a row per batch size."""
+def per_token_ms(model, k: int, args, vocab: int, profile: str | None = None) -> list[dict]:
+    """One engine (decode buckets: the batch sizes) -> a row per batch size; with `profile`, per-op tables of its
+    verify steps at the largest batch too (trace under that directory)."""
     import jaxmodels
     from jaxmodels import SamplingParams
 
@@ -77,9 +78,21 @@ def per_token_ms(model, k: int, args, vocab: int) -> list[dict]:
         ms = (times[8 + args.tokens] - times[8]) / args.tokens * 1e3
         rows.append(dict(k=k, batch=batch, ms_per_token=ms, tok_s=batch / ms * 1e3,
                          accept_rate=metrics["spec_accept_rate"], steps=metrics["decode_steps"]))
+    if profile:
+        print_profile(llm, max(args.batches), args, vocab, rng, profile)
     del llm
     gc.collect()
     return rows
+
+
+def print_profile(llm, batch: int, args, vocab: int, rng, directory: str, steps: int = 8) -> None:
+    from jaxmodels.benchmark import profile_decode
+    from jaxmodels.profiling import HOST, format_host_table, format_op_table, op_table
+
+    profile_decode(llm, batch, args.prompt_len, steps, vocab, rng, directory)
+    print(f"per-op device time of a step, k={llm.engine.num_speculative_tokens}, B={batch}:")
+    print(format_op_table(op_table(directory), steps=steps))
+    print(format_host_table(op_table(directory, HOST), steps=steps))
 
 
 def main():
@@ -92,6 +105,8 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", default=None, help="trace directory: per-op tables of the first k's verify "
+                        "steps (random drafter, largest batch) and of plain decode")
     args = parser.parse_args()
     raw = cut_layers(json.load(open(args.config)), args.layers)
     raw["num_nextn_predict_layers"] = 1
@@ -101,7 +116,9 @@ def main():
     rows = []
 
     def run(model, k, drafter):
-        for row in per_token_ms(model, k, args, raw["vocab_size"]):
+        profile = (f"{args.profile}/k{k}" if args.profile and drafter != "agreeing" and k in (0, args.ks[0])
+                   else None)
+        for row in per_token_ms(model, k, args, raw["vocab_size"], profile):
             rows.append(dict(row, drafter=drafter))
             print(json.dumps(rows[-1]), flush=True)
 

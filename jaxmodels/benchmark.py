@@ -224,17 +224,19 @@ def traced(path: str, run) -> None:
 
 
 def profile_decode(llm, batch: int, prompt_len: int, steps: int, vocab: int, rng, path: str) -> None:
-    """Trace `steps` steady decode steps of `batch` requests (their prompts' extend steps stay out of it)."""
+    """Trace `steps` steady decode steps of `batch` requests (their prompts' extend steps stay out of it); verify
+    steps with speculative decoding."""
     import jax
 
     from jaxmodels import SamplingParams
 
     engine = llm.engine
+    steady = (StepKind.VERIFY if engine.num_speculative_tokens else StepKind.DECODE, batch)
     params = SamplingParams(max_new_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for prompt in rng.integers(3, vocab, size=(batch, prompt_len)).tolist():
         engine.add_request(prompt, params)
     launches = []
-    while launches[-2:] != [(StepKind.DECODE, batch)] * 2:
+    while launches[-2:] != [steady] * 2:
         engine.step()
         launches.append(engine.last_launch)
 
