@@ -1,10 +1,14 @@
 """Mamba2 kernels on the GPU: Pallas kernel vs XLA reference, side by side, with achieved bandwidth.
 
-    PYTHONPATH=. python bench/mamba_kernels.py [--check] [--tune] [--quick] [--out DIR]
+    PYTHONPATH=. python bench/mamba_kernels.py [--check] [--tune] [--tune-seg] [--quick] [--kernels K,..] [--out DIR]
 
---check  runs the correctness checks on the GPU first (compiled kernels vs XLA references, fp32 and bf16, awkward
-         shapes, idle/padding slots bit-identical).
---tune   times a few tile configurations of the SSD scan at T = 8192 before the table.
+--check    runs the correctness checks on the GPU first (compiled kernels vs XLA references, fp32 and bf16, awkward
+           shapes, idle/padding slots bit-identical; the segmented scan too).
+--tune     times a few tile configurations of the SSD scan at T = 8192 before the table.
+--tune-seg searches the segmented scan's options (segment length, head-dim tile, block lengths, load prefetch,
+           stages, warps) one at a time for one sequence at T = 8k and 32k, keeping the best of each.
+--kernels  the table rows to time: scan, scan_seg (one sequence at T >= 8k: the one-span-per-sequence scan beside
+           the segmented one), pooled, decode, conv, conv_update.
 Shapes: Nano-9B (H=128, P=80, N=128, G=8) and Nano-30B (H=64, P=64, N=128, G=8), chunk 128, conv K=4, bf16 inputs,
 fp32 SSM state. Prefill T in {2k, 8k, 32k} as one sequence and as 16 packed sequences; decode batch {1, 64, 256}.
 Pooled prefill (the engine's extend step): 16 x 128 tokens among 256 sequence rows on a 257-slot pool, the pooled
@@ -27,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._dispatch import next_pow2
 from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
 from pallas_kernels.mamba_ssd_pallas import ssd_chunk_scan_pallas
@@ -213,6 +218,43 @@ def check():
                    rel(y_k, y_x.astype(jnp.float32)) < tol and rel(f_k, f_x) < tol and np.all(y_k[700:] == 0)
                    and np.all(np.isfinite(y_k)),
                    f"y rel {rel(y_k, y_x.astype(jnp.float32)):.2e}, states rel {rel(f_k, f_x):.2e}")
+    # The segmented scan, forced into 64-token segments on the same packings (sequences of 129, 259 and 310 tokens:
+    # three to five segments, the last ones short), and pooled (a fresh and a continuing multi-segment sequence,
+    # padding rows on slot 0 flagged as continuing, idle slots bit-identical).
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+        for (H, P, N, G) in ((16, 80, 128, 2), (6, 12, 20, 3)):
+            key, k = jax.random.split(key)
+            inp = scan_inputs(k, 700, H, P, N, G, 1, dtype=dtype, pad=37)
+            inp["cu"] = jnp.asarray([0, 1, 130, 130, 389, 390, 700], jnp.int32)
+            inp["init"] = jax.random.normal(k, (6, H, P, N))
+            y_k, f_k = run_scan(inp, "pallas", segment_len=64, block_t=32)
+            y_x, f_x = run_scan(inp, "xla")
+            y_k, f_k, y_x = np.asarray(y_k.astype(jnp.float32)), np.asarray(f_k), np.asarray(y_x.astype(jnp.float32))
+            expect(f"segmented scan {jnp.dtype(dtype).name} H{H} P{P} N{N} G{G}",
+                   rel(y_k, y_x) < tol and rel(f_k, f_x) < tol and np.all(y_k[700:] == 0)
+                   and np.all(np.isfinite(y_k)),
+                   f"y rel {rel(y_k, y_x):.2e}, states rel {rel(f_k, f_x):.2e}")
+        key, k = jax.random.split(key)
+        H, P, N, G = 16, 80, 128, 2
+        inp = scan_inputs(k, 700, H, P, N, G, 1, dtype=dtype, pad=37)
+        cu = jnp.asarray([0, 300, 300, 301, 700, 700], jnp.int32)
+        slots = jnp.asarray([3, 0, 5, 6, 0], jnp.int32)
+        has_init = jnp.asarray([True, True, True, False, True])
+        pool = jax.random.normal(k, (9, H, P, N))
+        before = np.asarray(pool)
+        outs = {impl: ssd_chunk_scan_pooled(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
+                                            dt_bias=inp["dt_bias"], cu_seqlens=cu, chunk_size=CHUNK,
+                                            state_pool=jnp.array(pool), slot_ids=slots, has_initial_state=has_init,
+                                            impl=impl, interpret=INTERPRET, **kw)
+                for impl, kw in (("pallas", dict(segment_len=64, block_t=32)), ("xla", {}))}
+        (y_k, p_k), (y_x, p_x) = outs["pallas"], outs["xla"]
+        y_k, y_x = np.asarray(y_k.astype(jnp.float32)), np.asarray(y_x.astype(jnp.float32))
+        p_k, p_x = np.asarray(p_k), np.asarray(p_x)
+        written, idle = [3, 5, 6], [0, 1, 2, 4, 7, 8]
+        expect(f"segmented pooled scan {jnp.dtype(dtype).name}",
+               rel(y_k, y_x) < tol and rel(p_k[written], p_x[written]) < tol and np.all(y_k[700:] == 0)
+               and np.array_equal(p_k[idle], before[idle]),
+               f"y rel {rel(y_k, y_x):.2e}, states rel {rel(p_k[written], p_x[written]):.2e}, idle slots identical")
     # Decode state update: padded rows on slot 0, idle slots bit-identical.
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
         key, k = jax.random.split(key)
@@ -286,6 +328,48 @@ def tune(rows):
                     log(f"tune scan {name} S={S} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
+def tune_segmented(rows, Ts=(8192, 32768)):
+    """One sequence of T tokens: a coordinate search over the segmented scan's options, from its defaults; each
+    option's values are timed with the best of the options before it, and the best one is kept."""
+    from pallas_kernels.mamba_ssd_pallas import _segmented_block_p, segment_len_for
+
+    key = jax.random.PRNGKey(5)
+    for name, sh in SHAPES.items():
+        H, P, N, G = sh["H"], sh["P"], sh["N"], sh["G"]
+        for T in Ts:
+            inp = scan_inputs(key, T, H, P, N, G, 1)
+            best = dict(segment_len=segment_len_for(T, H, P, 32), block_p=_segmented_block_p(P),
+                        block_t=32, state_block_t=64, prefetch=False, num_stages=2, num_warps=4)
+            timed = {}
+
+            def measure(v):
+                k = tuple(sorted(v.items()))
+                if k not in timed:
+                    try:
+                        f = jax.jit(lambda i, v=v: run_scan(i, "pallas", **v))
+                        timed[k] = time_fn(lambda i: (f(i), None), lambda: (inp,))
+                        log(f"tune-seg scan {name} T={T} S=1 {v}: {timed[k] * 1e6:.0f} us")
+                        rows.append(dict(kind="tune_seg", shape=name, T=T, variant=v, us=timed[k] * 1e6))
+                    except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
+                        log(f"tune-seg scan {name} T={T} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                        timed[k] = float("inf")
+                return timed[k]
+
+            search = [("segment_len", [L for L in (256, 512, 1024, 2048, 4096) if 2 * L <= T]),
+                      ("block_p", [bp for bp in (32, 64, 128) if bp <= max(next_pow2(P), 32)]),
+                      ("block_t", [32, 64]),
+                      ("state_block_t", [32, 64, 128]),
+                      ("prefetch", [False, True]),
+                      ("num_stages", [1, 2, 3]),
+                      ("num_warps", [4, 8])]
+            for option, values in search:  # block lengths are powers of two <= 128 and divide every segment length
+                best[option] = min(values, key=lambda v: measure(dict(best, **{option: v})))
+            t = measure(best)
+            ref = MAMBA_SSM_US.get(("scan", name, T, 1))
+            log(f"tune-seg best {name} T={T} S=1: {t * 1e6:.0f} us (mamba_ssm {ref} us) with {best}")
+            rows.append(dict(kind="tune_seg_best", shape=name, T=T, variant=best, us=t * 1e6, mamba_ssm_us=ref))
+
+
 def tune_update(rows):
     """Tiles of the decode state update at B=256, fp32 and bf16 state: head-dim block and warps.
 
@@ -337,6 +421,33 @@ def tune_conv(rows):
             rows.append(dict(kind="tune_conv", variant=v, us=t * 1e6))
         except Exception as e:  # noqa: BLE001
             log(f"tune conv {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+
+
+def segmented_table(rows, Ts):
+    """One sequence at T >= 8k: the scan with one span per sequence beside the segmented scan (its default segment
+    length for T, whether or not the default dispatch picks it) and the XLA reference."""
+    from pallas_kernels.mamba_ssd_pallas import _default_segment_len, segment_len_for
+
+    key = jax.random.PRNGKey(3)
+    for name, sh in SHAPES.items():
+        H, P, N, G = sh["H"], sh["P"], sh["N"], sh["G"]
+        for T in (t for t in Ts if t >= 8192):
+            inp = scan_inputs(key, T, H, P, N, G, 1)
+            L = segment_len_for(T, H, P, 32)
+            res = {}
+            for label, impl, kw in (("one span", "pallas", dict(segment_len=0)),
+                                    (f"segmented L={L}", "pallas", dict(segment_len=L)), ("xla", "xla", {})):
+                try:
+                    f = jax.jit(lambda i, impl=impl, kw=kw: run_scan(i, impl, **kw))
+                    res[label] = time_fn(lambda i: (f(i), None), lambda: (inp,))
+                except Exception as e:  # noqa: BLE001
+                    log(f"scan_seg {name} T={T} {label} FAILED {type(e).__name__}: {str(e)[:300]}")
+            ref = MAMBA_SSM_US.get(("scan", name, T, 1))
+            auto = _default_segment_len(T, 1, H, P, 32)
+            for label in ("one span", f"segmented L={L}"):
+                picked = " (default)" if (label == "one span") == (auto == 0) else ""
+                add_row(rows, f"ssd_chunk_scan {label}{picked}", name, f"T={T} S=1",
+                        dict(pallas=res.get(label), xla=res.get("xla")), scan_bytes(T, 1, H, P, N, G), ref)
 
 
 def table(rows, Ts, batches=(1, 64, 256), kernels=("scan", "pooled", "decode", "conv", "conv_update")):
@@ -432,7 +543,9 @@ def main():
     ap.add_argument("--tune-update", action="store_true", help="only the state update's tile sweep")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--interpret", action="store_true")
-    ap.add_argument("--kernels", default="scan,pooled,decode,conv,conv_update", help="table rows to time")
+    ap.add_argument("--tune-seg", action="store_true", help="the segmented scan's option search before the table")
+    ap.add_argument("--kernels", default="scan,pooled,decode,conv,conv_update",
+                    help="table rows to time: scan, scan_seg, pooled, decode, conv, conv_update")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     global INTERPRET
@@ -449,9 +562,15 @@ def main():
         if a.tune:
             tune(rows)
             tune_conv(rows)
+        Ts = (2048, 8192) if a.quick else (2048, 8192, 32768)
+        if a.tune_seg:
+            tune_segmented(rows, tuple(t for t in Ts if t >= 8192))
+        kernels = a.kernels.split(",")
         log("| kernel | shape | size | pallas µs | XLA ref µs | speedup | pallas TB/s (% of 4.25) | mamba_ssm µs (issue) |")
         log("|---|---|---|---|---|---|---|---|")
-        table(rows, (2048, 8192) if a.quick else (2048, 8192, 32768), kernels=a.kernels.split(","))
+        if "scan_seg" in kernels:
+            segmented_table(rows, Ts)
+        table(rows, Ts, kernels=kernels)
     except Exception:  # noqa: BLE001 - keep what was measured
         log(traceback.format_exc())
         ok = False

@@ -224,8 +224,8 @@ def ssd_chunk_scan_pooled(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size,
     """`ssd_chunk_scan` with states in the slot pool (see the module docstring): state_pool[num_slots, H, P, N],
     slot_ids int32[S], has_initial_state bool[S] -> (y[T, H, P], state_pool). Donate the pool to update it in place.
 
-    `kernel_options` (block_t, block_p, num_warps, num_stages) tune the Pallas kernel's tiles; the XLA reference has
-    none and ignores them.
+    `kernel_options` (block_t, block_p, segment_len, state_block_t, prefetch, num_warps, num_stages; see
+    `mamba_ssd_pallas._launch`) tune the Pallas kernel; the XLA reference has none and ignores them.
     """
     _check_shapes(x, dt, A, B, C, D, dt_bias, cu_seqlens, None)
     _check_pool(x, B, cu_seqlens, state_pool, slot_ids, has_initial_state)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
+from pallas_kernels.mamba_ssd_pallas import _default_segment_len, ssd_chunk_scan_pallas
 from tests.numerics import rms_relative_error
 
 IMPLS = ["xla", "pallas"]
@@ -143,13 +144,111 @@ def test_matches_transformers():
     assert rms_relative_error(fin, fin_hf.numpy()) < 1e-5
 
 
+# Segmented scan (sequences cut into segments of L tokens, states handed on between them), forced on these small
+# shapes: (T, H, P, G, N, cu_seqlens, L). One long sequence of five segments, the last one short, before 4 padding
+# tokens; long sequences (67 and 69 tokens: three segments each, the last short) packed with a 1-token sequence,
+# an empty one and a short one. Blocks of 16 tokens: L / 16 blocks per segment.
+SEGMENTED_CASES = [
+    (84, 2, 12, 1, 20, [0, 80], 16),
+    (150, 4, 5, 2, 6, [0, 3, 70, 71, 71, 140], 32),
+]
+
+
+def run_segmented(inp, cu, segment_len, **kw):
+    return ssd_chunk_scan_pallas(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
+                                 dt_bias=inp["dt_bias"], cu_seqlens=jnp.asarray(cu, jnp.int32), chunk_size=16,
+                                 initial_states=inp["init"], segment_len=segment_len, block_t=16, interpret=True,
+                                 **kw)
+
+
+# state_block_t: the block length of the segment state phase (16 in case 1: two blocks per 32-token segment; by
+# default one block per segment here); prefetch: each block's loads issued one block early, in every phase.
+@pytest.mark.parametrize("case, options", [(0, dict(state_block_t=16, prefetch=True)), (1, dict(state_block_t=16)),
+                                           (1, dict(prefetch=True))])
+def test_segmented_matches_naive_recurrence(case, options):
+    T, H, P, G, N, cu, L = SEGMENTED_CASES[case]
+    inp = make_inputs(np.random.default_rng(40 + case), T, H, P, G, N, len(cu) - 1)
+    y, fin = run_segmented(inp, cu, L, **options)
+    y_ref, fin_ref = naive_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], cu,
+                                inp["init"])
+    assert y.shape == (T, H, P)
+    assert fin.shape == (len(cu) - 1, H, P, N)
+    assert rms_relative_error(y, y_ref) < 1e-5
+    assert rms_relative_error(fin, fin_ref) < 1e-5
+    assert np.all(np.asarray(y)[cu[-1]:] == 0)
+
+
+def test_segmented_without_initial_states():
+    T, H, P, G, N, cu, L = SEGMENTED_CASES[1]
+    inp = make_inputs(np.random.default_rng(50), T, H, P, G, N, len(cu) - 1, with_init=False)
+    y, fin = run_segmented(inp, cu, L)
+    y_ref, fin_ref = naive_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], cu,
+                                None)
+    assert rms_relative_error(y, y_ref) < 1e-5
+    assert rms_relative_error(fin, fin_ref) < 1e-5
+    # The empty sequence (row 3) owns no segment: its final state is its (zero) initial state all the same.
+    assert np.all(np.asarray(fin)[3] == 0)
+
+
+def test_segmented_bf16_inputs():
+    # The tolerance of `test_bf16_inputs`: bf16 output rounding and bf16 operands of the block products.
+    T, H, P, G, N, cu, L = SEGMENTED_CASES[1]
+    inp = make_inputs(np.random.default_rng(51), T, H, P, G, N, len(cu) - 1, dtype=jnp.bfloat16)
+    y, fin = run_segmented(inp, cu, L)
+    y_ref, fin_ref = naive_scan(inp["x"].astype(jnp.float32), inp["dt"].astype(jnp.float32), inp["A"],
+                                inp["B"].astype(jnp.float32), inp["C"].astype(jnp.float32), inp["D"],
+                                inp["dt_bias"], cu, inp["init"])
+    assert y.dtype == jnp.bfloat16
+    assert rms_relative_error(y, y_ref) < 1e-2
+    assert rms_relative_error(fin, fin_ref) < 1e-2
+
+
+def test_segmented_rejects_segments_not_made_of_blocks():
+    T, H, P, G, N, cu, _ = SEGMENTED_CASES[0]
+    inp = make_inputs(np.random.default_rng(0), T, H, P, G, N, len(cu) - 1)
+    with pytest.raises(ValueError, match="segment_len"):
+        run_segmented(inp, cu, 24)
+
+
+def test_segments_only_when_sequences_leave_the_gpu_short_of_programs():
+    # 32-token blocks. Nano-30B (H=64, P=64): one 8k sequence gives 128 programs, 16 sequences 1024; Nano-9B (H=128,
+    # P=80): one sequence already gives 256.
+    L = _default_segment_len(8192, 1, 64, 64, 32)
+    assert L > 0 and 8192 // L >= 2
+    assert _default_segment_len(8192, 16, 64, 64, 32) == 0
+    assert _default_segment_len(8192, 1, 128, 80, 32) == 0
+    assert _default_segment_len(300, 1, 64, 64, 32) == 0  # too short for two segments
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_segmented_lowers_to_triton(pooled, dtype, cuda_lowering):
+    """The three kernels of the segmented scan lower to Triton at Nano-9B's shape (P = 80: masked head-dim tile)."""
+    T, H, P, G, N, S = 2048, 128, 80, 8, 128, 4
+    sds = jax.ShapeDtypeStruct
+    common = dict(chunk_size=128, segment_len=512, impl="pallas")
+    if pooled:
+        f = jax.jit(lambda x, dt, A, B, C, D, dtb, cu, pool, slots, flags: ssd_chunk_scan_pooled(
+            x, dt, A, B, C, D=D, dt_bias=dtb, cu_seqlens=cu, state_pool=pool, slot_ids=slots,
+            has_initial_state=flags, **common))
+        extra = (sds((9, H, P, N), jnp.float32), sds((S,), jnp.int32), sds((S,), jnp.bool_))
+    else:
+        f = jax.jit(lambda x, dt, A, B, C, D, dtb, cu, init: ssd_chunk_scan_pallas(
+            x, dt, A, B, C, D=D, dt_bias=dtb, cu_seqlens=cu, initial_states=init, chunk_size=128, segment_len=512))
+        extra = (sds((S, H, P, N), jnp.float32),)
+    text = cuda_lowering(f, sds((T, H, P), dtype), sds((T, H), dtype), sds((H,), jnp.float32),
+                         sds((T, G, N), dtype), sds((T, G, N), dtype), sds((H,), jnp.float32),
+                         sds((H,), jnp.float32), sds((S + 1,), jnp.int32), *extra)
+    assert text.count("__gpu$xla.gpu.triton") == 3
+
+
 # Pooled variant. One packing of 7 sequence rows on a pool of 9 slots: row 0 continues from slot 3 with 11 tokens (not
 # a multiple of the chunk), rows 1, 5, 6 are padding on slot 0 (two of them flagged as continuing: they must still
-# read nothing), row 2 continues from slot 5 with 1 token, row 3 starts fresh on slot 6, row 4 continues from slot 1
-# with 21 tokens (two kernel blocks of 16, the last one short). Slots 2, 4, 7, 8 are idle.
+# read nothing), row 2 continues from slot 5 with 1 token, row 3 starts fresh on slot 6 with 18 tokens, row 4
+# continues from slot 1 with 21 tokens (two kernel blocks of 16, the last one short). Slots 2, 4, 7, 8 are idle.
 POOL_SLOTS = [3, 0, 5, 6, 1, 0, 0]
 POOL_HAS_INIT = [True, True, True, False, True, False, True]
-POOL_CU = [0, 11, 11, 12, 21, 42, 42, 42]
+POOL_CU = [0, 11, 11, 12, 30, 51, 51, 51]
 NUM_SLOTS = 9
 
 
@@ -163,12 +262,12 @@ def make_pool(rng, H, P, N, dtype):
     return jnp.asarray(pool, dtype)
 
 
-def run_pooled(inp, pool, cu, chunk_size, impl, interpret=None):
+def run_pooled(inp, pool, cu, chunk_size, impl, interpret=None, **kernel_options):
     return ssd_chunk_scan_pooled(
         inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"], dt_bias=inp["dt_bias"],
         cu_seqlens=jnp.asarray(cu, jnp.int32), chunk_size=chunk_size, state_pool=pool,
         slot_ids=jnp.asarray(POOL_SLOTS, jnp.int32), has_initial_state=jnp.asarray(POOL_HAS_INIT), impl=impl,
-        interpret=(impl == "pallas") if interpret is None else interpret)
+        interpret=(impl == "pallas") if interpret is None else interpret, **kernel_options)
 
 
 def pooled_reference(inp, pool, cu, chunk_size):
@@ -186,15 +285,20 @@ def bits(a):
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+# The segmented kernel in 16-token segments: rows 3 and 4 are two segments each, so the state passing reads row 4's
+# slot and must not read row 3's (fresh: NaN there), and their second segments' programs write the final states.
+POOLED_RUNS = [("xla", {}), ("pallas", {}), ("pallas", dict(segment_len=16, block_t=16, state_block_t=16))]
+
+
+@pytest.mark.parametrize("impl, options", POOLED_RUNS)
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
-def test_pooled_matches_unpooled(impl, pool_dtype):
-    T, H, P, G, N, L = 48, 4, 5, 2, 6, 8  # tokens 42..47 are bucket padding
+def test_pooled_matches_unpooled(impl, options, pool_dtype):
+    T, H, P, G, N, L = 56, 4, 5, 2, 6, 8  # tokens 51..55 are bucket padding
     rng = np.random.default_rng(21)
     inp = make_inputs(rng, T, H, P, G, N, len(POOL_SLOTS), with_init=False)
     pool = make_pool(rng, H, P, N, pool_dtype)
     y_ref, fin_ref, written = pooled_reference(inp, pool, POOL_CU, L)
-    y, new_pool = run_pooled(inp, pool, POOL_CU, L, impl)
+    y, new_pool = run_pooled(inp, pool, POOL_CU, L, impl, **options)
     idle = np.setdiff1d(np.arange(NUM_SLOTS), written)
     # The pool's values are exact in float32, so y is the unpooled scan's (to the 1e-5 of the tests above); a
     # bfloat16 pool rounds each final state once, at most 2^-9 relative per element.
@@ -208,7 +312,7 @@ def test_pooled_matches_unpooled(impl, pool_dtype):
 
 @pytest.mark.parametrize("bad", ["state_pool", "slot_ids"])
 def test_pooled_rejects_mismatched_pool(bad):
-    T, H, P, G, N, L = 48, 4, 5, 2, 6, 8
+    T, H, P, G, N, L = 56, 4, 5, 2, 6, 8
     inp = make_inputs(np.random.default_rng(0), T, H, P, G, N, len(POOL_SLOTS), with_init=False)
     pool = jnp.zeros((NUM_SLOTS, H, P, N + (bad == "state_pool")))
     slots = jnp.zeros((len(POOL_SLOTS) + (bad == "slot_ids"),), jnp.int32)
