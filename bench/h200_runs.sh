@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -10,6 +10,12 @@ for what in "$@"; do
     suite) OUT=$OUT bash bench/gpu_check.sh tests > "$OUT/suite_stdout.log" 2>&1; tail -25 "$OUT/gpu_tests.log"; cat "$OUT/summary.txt" ;;
     spec) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 1,32 --ks 1,2,3 \
         --json "$OUT/spec.json" 2>&1 | grep -v Warning | tail -30 ;;
+    spec_profile) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 32 --ks 1 \
+        --tokens 16 --profile /tmp/prof_spec 2>&1 | grep -v Warning | tail -80 ;;
+    scan_seg) python3 bench/mamba_kernels.py --check --kernels scan_seg --out "$OUT" 2>&1 | tail -30 ;;
+    dsa_new) python3 bench/dsa_kernels.py --check --quick --only select,mla_decode --log "$OUT/dsa_new.log" 2>&1 | tail -40
+        python3 bench/dsa_kernels.py --check --quick --only indexer --indexer-kinds decode --ctx 131072 \
+          --log "$OUT/idx_new.log" 2>&1 | tail -12 ;;
     nano9b_bf16) bench --config bench/configs/nemotron_h_nano9b.json --phases decode --batches 1,256 \
         --mamba-ssm-cache-dtype bfloat16 --json "$OUT/nano9b_bf16.json" 2>&1 | tail -40 ;;
     serve_load) python3 bench/serve_load.py --config bench/configs/nemotron_h_nano9b.json --requests 256 \

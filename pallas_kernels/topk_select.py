@@ -52,13 +52,18 @@ COMPACTIONS = ("groups", "row")
 SELECT_TILES = dict(chunk=2048, num_warps=8, num_stages=1, digit_bits=1, compaction="groups", early_stop=True,
                     gmax_in_registers=16384, compact_lanes=4096)
 LONG_ROW_SELECT_TILES = dict(SELECT_TILES, num_warps=16, gmax_in_registers=32768)
+# When the select computes the group maxima itself (no `gmax` given), the row's keys are in L2 from that pass and
+# the second row pass costs less than the candidate gathers: measured on the H200 (`bench/dsa_kernels.py --only
+# select`, 4096 x 65536, k = 2048): 2.18 ms with row compaction against 2.76 ms with group compaction. With the
+# maxima given (the indexer's fused logits kernel), group compaction: 1.68 ms.
+STANDALONE_SELECT_TILES = dict(SELECT_TILES, compaction="row", early_stop=False)
 
 
-def select_tiles(n_cols: int, group: int = GROUP) -> dict:
-    """Default kernel options for rows of `n_cols` scores."""
+def select_tiles(n_cols: int, group: int = GROUP, *, gmax_given: bool = True) -> dict:
+    """Default kernel options for rows of `n_cols` scores, whether or not the group maxima come with them."""
     if n_cols // group > SELECT_TILES["gmax_in_registers"]:
         return dict(LONG_ROW_SELECT_TILES)
-    return dict(SELECT_TILES)
+    return dict(SELECT_TILES if gmax_given else STANDALONE_SELECT_TILES)
 
 
 def order_key(x):
@@ -287,7 +292,7 @@ def select_topk_pallas(logits, kv_lens, topk: int, *, gmax=None, group: int = GR
     `select_tiles(N)`."""
     R, N = logits.shape
     n_rows = R if n_rows is None else n_rows
-    opts = select_tiles(N, group)
+    opts = select_tiles(N, group, gmax_given=gmax is not None)
     for name, value in dict(chunk=chunk, num_warps=num_warps, num_stages=num_stages,
                             gmax_in_registers=gmax_in_registers, digit_bits=digit_bits,
                             compaction=compaction, early_stop=early_stop, compact_lanes=compact_lanes).items():
