@@ -90,6 +90,23 @@ def causal_conv1d_update_xla(x, conv_state, weight, bias, *, slot_ids, activatio
     return y.astype(x.dtype), new_state
 
 
+@functools.partial(jax.jit, static_argnames=("activation",))
+def causal_conv1d_windows(windows, weight, bias, *, activation="silu"):
+    """The conv over whole windows: windows[S, C, K-1+L] (each row's K-1 past inputs, then L new ones) ->
+    y[S, L, C], y[s, i] = act(sum_k weight[:, k] * windows[s, :, i + k] + bias), in float32, cast to the windows'
+    dtype (what `causal_conv1d_update_xla` computes one token at a time). XLA only: for the few tokens per row of a
+    speculative verify step, the K shifted products fuse into one small pass, where the packed kernel would take a
+    program per sequence for a handful of tokens."""
+    K = weight.shape[1]
+    L = windows.shape[2] - (K - 1)
+    wf = weight.astype(jnp.float32)
+    xf = windows.astype(jnp.float32)
+    y = sum(wf[None, :, k, None] * xf[:, :, k: k + L] for k in range(K))
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[None, :, None]
+    return _act(y, activation).transpose(0, 2, 1).astype(windows.dtype)
+
+
 def pallas_problem(kernel_size: int) -> str | None:
     """Why the compiled kernels cannot take this conv (they keep a window of K-1 past inputs)."""
     return f"conv kernel size {kernel_size} < 2" if kernel_size < 2 else None

@@ -171,9 +171,9 @@ def ssd_chunk_scan_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, in
     return y.astype(x.dtype), final_states
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "dt_softplus", "dt_limit"))
+@functools.partial(jax.jit, static_argnames=("chunk_size", "dt_softplus", "dt_limit", "write_states"))
 def ssd_chunk_scan_pooled_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
-                              has_initial_state, dt_softplus=True, dt_limit=None):
+                              has_initial_state, dt_softplus=True, dt_limit=None, write_states=True):
     """The reference on pool rows: gather the initial states, scan, scatter the finals back.
 
     Rows that must not touch the pool get the out-of-range index num_slots: fresh and empty sequences gather zeros
@@ -189,6 +189,8 @@ def ssd_chunk_scan_pooled_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_s
     y, final_states = ssd_chunk_scan_xla(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
                                          chunk_size=chunk_size, initial_states=initial_states,
                                          dt_softplus=dt_softplus, dt_limit=dt_limit)
+    if not write_states:
+        return y, state_pool
     return y, state_pool.at[write_rows].set(final_states.astype(state_pool.dtype), mode="drop")
 
 
@@ -219,10 +221,12 @@ def ssd_chunk_scan(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initia
 
 
 def ssd_chunk_scan_pooled(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
-                          has_initial_state, dt_softplus=True, dt_limit=None, impl="auto", interpret=False,
-                          **kernel_options):
+                          has_initial_state, dt_softplus=True, dt_limit=None, write_states=True, impl="auto",
+                          interpret=False, **kernel_options):
     """`ssd_chunk_scan` with states in the slot pool (see the module docstring): state_pool[num_slots, H, P, N],
     slot_ids int32[S], has_initial_state bool[S] -> (y[T, H, P], state_pool). Donate the pool to update it in place.
+    `write_states=False` only reads the pool (it comes back as it was): outputs from each slot's state without
+    moving it, for speculative decoding's verify step, which commits the state later.
 
     `kernel_options` (block_t, block_p, segment_len, state_block_t, prefetch, num_warps, num_stages; see
     `mamba_ssd_pallas._launch`) tune the Pallas kernel; the XLA reference has none and ignores them.
@@ -231,7 +235,7 @@ def ssd_chunk_scan_pooled(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size,
     _check_pool(x, B, cu_seqlens, state_pool, slot_ids, has_initial_state)
     common = dict(D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_pool=state_pool,
                   slot_ids=slot_ids, has_initial_state=has_initial_state, dt_softplus=dt_softplus,
-                  dt_limit=_static_dt_limit(dt_limit))
+                  dt_limit=_static_dt_limit(dt_limit), write_states=write_states)
     if resolve_impl(impl, interpret, kernel="ssd_chunk_scan_pooled") == "xla":
         return ssd_chunk_scan_pooled_xla(x, dt, A, B, C, **common)
     from pallas_kernels.mamba_ssd_pallas import ssd_chunk_scan_pooled_pallas

@@ -46,7 +46,7 @@ _f32 = jnp.float32
 
 
 def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, P, N, R, BT, BP, BN, npb, has_init, pooled, segmented, rule,
-                prefetch):
+                prefetch, write_states=True):
     if segmented:
         tab_ref, starts_ref, *refs = refs
     x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *rest = refs
@@ -93,6 +93,8 @@ def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, P, N, R, BT, BP, BN, npb, h
 
     def store_final(st):
         mask = pn_mask & last
+        if pooled and not write_states:
+            return  # the pool is only read (speculative verify: mamba_ssd.ssd_chunk_scan_pooled's write_states)
         if pooled:
             plgpu.store(state_tile(pool_ref, slot_ref[seq]), st.astype(pool_ref.dtype), mask=mask)
         else:
@@ -134,9 +136,10 @@ def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, P, N, R, BT, BP, BN, npb, h
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "block_t", "block_p", "segment_len",
-                                             "state_block_t", "prefetch", "num_warps", "num_stages", "interpret"))
+                                             "state_block_t", "prefetch", "num_warps", "num_stages", "interpret",
+                                             "write_states"))
 def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, dt_softplus, dt_limit, block_t,
-                block_p, segment_len, state_block_t, prefetch, num_warps, num_stages, interpret):
+                block_p, segment_len, state_block_t, prefetch, num_warps, num_stages, interpret, write_states=True):
     """Without `pool_index`, `states` is None or the initial states [S, H, P, N] and the final states come back as a
     new float32 array. With `pool_index` = (slot_ids, has_initial_state), both int32[S], `states` is the slot pool
     and comes back updated in place. `segment_len` 0: one span per sequence; else segments of that many tokens."""
@@ -163,7 +166,8 @@ def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, d
         args, num_spans = [cu, table, starts], table.shape[1]
     kernel = functools.partial(
         _ssd_kernel, num_seqs=S, num_tokens=T, P=P, N=N, R=H // G, BT=block_t, BP=BP, BN=BN, npb=npb,
-        has_init=states is not None, pooled=pooled, segmented=segmented, rule=rule, prefetch=prefetch)
+        has_init=states is not None, pooled=pooled, segmented=segmented, rule=rule, prefetch=prefetch,
+        write_states=write_states)
     args += [x, dt, A, D, dt_bias, B, C]
     final_shape, aliases = jax.ShapeDtypeStruct((S, H, P, N), _f32), {}
     if pooled:
@@ -240,7 +244,8 @@ def _check_block(name: str, size: int) -> None:
 
 
 def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_index, dt_softplus, dt_limit,
-            interpret, block_t, block_p, segment_len, state_block_t, prefetch, num_warps, num_stages):
+            interpret, block_t, block_p, segment_len, state_block_t, prefetch, num_warps, num_stages,
+            write_states=True):
     """Tile defaults of both entry points: `block_t` is chunk_size rounded to a power of two, clipped to [16, 32]
     (H200, T = 8192: 32-token blocks 0.83 / 0.71 ms for Nano-9B S=1 / S=16 against 1.34 / 0.96 ms with 64);
     `segment_len` (0: one span per sequence) defaults to `_default_segment_len`; `block_p` (the head-dim tile) to
@@ -252,7 +257,7 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     if block_t is None:
         block_t = max(16, min(next_pow2(chunk_size), 32))
     if segment_len is None:
-        segment_len = _default_segment_len(T, S, H, P, block_t)
+        segment_len = _default_segment_len(T, S, H, P, block_t) if write_states else 0
     if block_p is None:
         block_p = _segmented_block_p(P) if segment_len else _default_block_p(H, P, S)
     _check_block("block_t", block_t)
@@ -268,7 +273,7 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     return _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, dt_softplus=dt_softplus,
                        dt_limit=dt_limit, block_t=block_t, block_p=block_p, segment_len=segment_len,
                        state_block_t=state_block_t, prefetch=prefetch, num_warps=num_warps, num_stages=num_stages,
-                       interpret=interpret)
+                       interpret=interpret, write_states=write_states)
 
 
 def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initial_states=None,
@@ -284,10 +289,12 @@ def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size,
 def ssd_chunk_scan_pooled_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
                                  has_initial_state, dt_softplus=True, dt_limit=None, interpret=False, block_t=None,
                                  block_p=None, segment_len=None, state_block_t=None, prefetch=False, num_warps=4,
-                                 num_stages=2):
-    """Kernel entry point of `mamba_ssd.ssd_chunk_scan_pooled`: -> (y, state_pool updated in place)."""
+                                 num_stages=2, write_states=True):
+    """Kernel entry point of `mamba_ssd.ssd_chunk_scan_pooled`: -> (y, state_pool updated in place, or untouched
+    without `write_states`)."""
     pool_index = (slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32))
     return _launch(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                    states=state_pool, pool_index=pool_index, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    interpret=interpret, block_t=block_t, block_p=block_p, segment_len=segment_len,
-                   state_block_t=state_block_t, prefetch=prefetch, num_warps=num_warps, num_stages=num_stages)
+                   state_block_t=state_block_t, prefetch=prefetch, num_warps=num_warps, num_stages=num_stages,
+                   write_states=write_states)

@@ -171,18 +171,20 @@ class Mamba2Mixer(nnx.Module):
         dt has no `time_step_min` floor (as in `forward_decode`)."""
         slots, num_seqs = step.slot_ids, step.num_seqs
         length = hidden.shape[0] // num_seqs
-        conv0 = cache.conv[slots]
         gate, xbc_in, dt = self._project(hidden)
-        xbc, _ = pallas_kernels.causal_conv1d(xbc_in, self.conv1d.weight[...], self._conv_bias(),
-                                              cu_seqlens=step.cu_seqlens, initial_states=conv0, activation="silu")
-        x, B, C = self._split_xbc(xbc)
-        y, _ = pallas_kernels.ssd_chunk_scan(
-            x, dt, self._A(), B, C, D=self.D[...], dt_bias=self.dt_bias[...], cu_seqlens=step.cu_seqlens,
-            chunk_size=self.chunk_size, initial_states=cache.ssm[slots].astype(jnp.float32), dt_softplus=True)
         inputs = xbc_in.reshape(num_seqs, length, self.conv_dim).transpose(0, 2, 1).astype(cache.conv.dtype)
+        window = jnp.concatenate([cache.conv[slots], inputs], axis=2)
+        xbc = pallas_kernels.causal_conv1d_windows(window, self.conv1d.weight[...], self._conv_bias(),
+                                                   activation="silu")
+        x, B, C = self._split_xbc(xbc.reshape(num_seqs * length, self.conv_dim).astype(xbc_in.dtype))
+        # The scan reads each slot's state in place and writes nothing back (the pool comes back as it was).
+        y, ssm = pallas_kernels.ssd_chunk_scan_pooled(
+            x, dt, self._A(), B, C, D=self.D[...], dt_bias=self.dt_bias[...], cu_seqlens=step.cu_seqlens,
+            chunk_size=self.chunk_size, state_pool=cache.ssm, slot_ids=slots,
+            has_initial_state=jnp.ones(num_seqs, bool), dt_softplus=True, write_states=False)
         per_seq = lambda a: a.reshape(num_seqs, length, *a.shape[1:])  # noqa: E731
-        pending = MambaVerifyCache(conv=cache.conv, ssm=cache.ssm, window=jnp.concatenate([conv0, inputs], axis=2),
-                                   x=per_seq(x), dt=per_seq(self._softplus_dt(dt)), B=per_seq(B))
+        pending = MambaVerifyCache(conv=cache.conv, ssm=ssm, window=window, x=per_seq(x),
+                                   dt=per_seq(self._softplus_dt(dt)), B=per_seq(B))
         return self._output(y, gate, hidden.dtype), pending
 
     def commit_verified(self, pending: MambaVerifyCache, slot_ids: jax.Array, accepted: jax.Array) -> MambaCache:

@@ -310,6 +310,19 @@ def test_pooled_matches_unpooled(impl, options, pool_dtype):
     assert np.array_equal(bits(new_pool)[idle], bits(pool)[idle])
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_pooled_read_only_leaves_the_pool(impl):
+    """write_states=False (speculative verify): the same y as the writing call, and every slot bit-identical."""
+    T, H, P, G, N, L = 56, 4, 5, 2, 6, 8
+    rng = np.random.default_rng(22)
+    inp = make_inputs(rng, T, H, P, G, N, len(POOL_SLOTS), with_init=False)
+    pool = make_pool(rng, H, P, N, jnp.float32)
+    y_ref, _, _ = pooled_reference(inp, pool, POOL_CU, L)
+    y, same_pool = run_pooled(inp, pool, POOL_CU, L, impl, write_states=False)
+    assert rms_relative_error(y, y_ref) < 1e-5
+    assert np.array_equal(bits(same_pool), bits(pool))
+
+
 @pytest.mark.parametrize("bad", ["state_pool", "slot_ids"])
 def test_pooled_rejects_mismatched_pool(bad):
     T, H, P, G, N, L = 56, 4, 5, 2, 6, 8
