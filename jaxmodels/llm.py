@@ -44,13 +44,15 @@ class LLM:
                  num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None,
                  memory_fraction: float | None = None, matmul_precision: str | None = None, overlap: bool = True,
-                 mamba_ssm_cache_dtype: str | None = None):
+                 mamba_ssm_cache_dtype: str | None = None, quantization: str | None = None):
         """Load `path` (an HF checkpoint directory, or `model=` an already built model) and start the engine.
 
         `dtype` is the weights' and activations' dtype and the compute precision (float32 means full float32
         matmuls on the GPU too; `matmul_precision` overrides, see jaxmodels.precision). `overlap` schedules each
         step while the previous one runs on the device (same outputs). `mamba_ssm_cache_dtype` overrides the
         config's SSM state dtype ("bfloat16" halves the state traffic of Nemotron-H decode; float32 by default).
+        An FP8 checkpoint is served in FP8 (its quantized weights stay FP8 on the devices, `dtype` is that of the
+        activations and the other params); `quantization="dequantize"` converts them to `dtype` on load instead.
         The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).
         """
@@ -61,7 +63,8 @@ class LLM:
         path = resolve_model_path(path) if path is not None else None  # a Hub id -> its snapshot directory
         # The engine does not draft tokens yet: MTP layers would only take memory (a DeepSeek one is an MoE layer).
         model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress,
-                                                           matmul_precision=matmul_precision, load_mtp=False)
+                                                           matmul_precision=matmul_precision, load_mtp=False,
+                                                           quantization=quantization)
         self.tokenizer = load_tokenizer(path) if path is not None else None
         self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,

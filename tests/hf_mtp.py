@@ -37,15 +37,16 @@ class ReferenceMTPLayer(torch.nn.Module):
         return {prefix + name: tensor for name, tensor in self.state_dict().items() if not name.startswith("stack.")}
 
 
-def save_with_mtp(variant: str, directory, seed: int = 1):
-    """A tiny target whose config declares one MTP layer (`variant`: one of VARIANTS), saved to `directory` with a
-    random reference MTP layer's tensors appended. Returns (target, reference MTP layer)."""
+def save_with_mtp(variant: str, directory, seed: int = 1, **overrides):
+    """A tiny target whose config declares one MTP layer (`variant`: one of VARIANTS; `overrides` for its config),
+    saved to `directory` with a random reference MTP layer's tensors appended. Returns (target, reference MTP layer)."""
     if variant == "nemotron_h_moe":
-        target = make_nemotron_h("moe", num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"])
+        target = make_nemotron_h("moe", num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"],
+                                 **overrides)
         mtp_layer = nemotron_h_mtp_layer(target, seed)
         tensors = nemotron_h_published_tensors(target, mtp_layer)
     else:
-        target = make_dsa(variant, num_nextn_predict_layers=1)
+        target = make_dsa(variant, num_nextn_predict_layers=1, **overrides)
         mtp_layer = dsa_mtp_layer(target, seed)
         tensors = dsa_published_tensors(target, mtp_layer)
     append_tensors(save(target, directory), tensors)
