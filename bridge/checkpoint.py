@@ -3,12 +3,18 @@
 A reader knows each tensor's shape without loading it, so the loader can check a whole checkpoint before it
 reads a byte of weights. Names are normalized by dropping the base-model prefix (`backbone.` in NVIDIA's
 checkpoints, `model.` in transformers' own), so rules see `layers.0.mixer.in_proj.weight` either way.
+
+Safetensors files are read from their own header (a JSON table of dtype, shape and byte range per tensor), so every
+dtype published checkpoints use reads into numpy, bfloat16 and the FP8 formats included (through ml_dtypes): the
+`safetensors` package's numpy reader knows neither.
 """
 
 import json
 import os
+import struct
 from typing import Callable, Iterable
 
+import ml_dtypes
 import numpy as np
 
 from bridge.torch_interop import torch_to_numpy
@@ -63,22 +69,45 @@ def _normalized_index(raw_names: Iterable[str], source: str) -> dict[str, str]:
     return index
 
 
-def _safetensors_reader(files: list[str], source: str) -> CheckpointReader:
-    from safetensors import safe_open
+# safetensors dtype names -> numpy dtypes.
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
 
-    handles, shapes, where = [], {}, {}
+
+def _safetensors_table(path: str) -> tuple[dict, int]:
+    """({raw name: {dtype, shape, data_offsets}}, where the data starts) of a safetensors file."""
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        table = json.loads(f.read(header_size))
+    table.pop("__metadata__", None)
+    return table, 8 + header_size
+
+
+def _safetensors_reader(files: list[str], source: str) -> CheckpointReader:
+    shapes, where = {}, {}
     for path in files:
-        handle = safe_open(path, framework="numpy")
-        handles.append(handle)
-        for raw, name in ((raw, normalize_name(raw)) for raw in handle.keys()):
+        table, data_start = _safetensors_table(path)
+        for raw, entry in table.items():
+            name = normalize_name(raw)
             if name in where:
                 raise CheckpointError(f"{source}: tensor {name!r} appears twice ({raw!r})")
-            where[name] = (handle, raw)
-            shapes[name] = tuple(handle.get_slice(raw).get_shape())
+            where[name] = (path, data_start, entry)
+            shapes[name] = tuple(entry["shape"])
 
     def read(name):
-        handle, raw = where[name]
-        return handle.get_tensor(raw)
+        path, data_start, entry = where[name]
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which we cannot read")
+        begin, end = entry["data_offsets"]
+        data = bytearray(end - begin)
+        with open(path, "rb") as f:
+            f.seek(data_start + begin)
+            f.readinto(data)
+        return np.frombuffer(data, SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
     return CheckpointReader(shapes, read, source)
 

@@ -8,6 +8,7 @@ are reported together in one `CheckpointError` naming each tensor and both shape
 import re
 
 import jax
+import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -15,6 +16,7 @@ from bridge.checkpoint import CheckpointError
 from bridge.rules import DEFAULT_RULES, source_for
 
 _MAX_LISTED = 20
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def _listing(items: list[str]) -> str:
@@ -35,8 +37,9 @@ def plan_sources(reader, abstract: dict, *, ignore=(), rules=DEFAULT_RULES) -> d
                 missing_names.append(name)
                 missing.append(f"{name} (for param {path}, expected shape {expected})")
             elif tuple(reader.shape(name)) != tuple(expected):
+                note = f": {source.note}" if source.note else ""
                 misshaped.append(f"{name}: checkpoint shape {tuple(reader.shape(name))}, model expects {expected} "
-                                 f"(param {path})")
+                                 f"(param {path}){note}")
     ignore_re = [re.compile(p) for p in ignore]
     unexpected = sorted(n for n in reader.names() if n not in used and not any(p.search(n) for p in ignore_re))
     problems = []
@@ -63,6 +66,15 @@ def load_params(reader, abstract: dict, *, ignore=(), rules=DEFAULT_RULES, progr
     params = {}
     for path in tqdm(plan, desc="Loading weights", unit="tensor", disable=not progress, leave=False):
         source = plan[path]
-        array = source.assemble([reader.read(name) for name in source.names])
-        params[path] = place(np.asarray(array).astype(abstract[path].dtype, copy=False))
+        array = np.asarray(source.assemble([reader.read(name) for name in source.names]))
+        _check_fp8(array.dtype, np.dtype(abstract[path].dtype), source.names, reader.source)
+        params[path] = place(array.astype(abstract[path].dtype, copy=False))
     return params
+
+
+def _check_fp8(stored, expected, names, source) -> None:
+    """FP8 values mean nothing without their scales: they load only into FP8 params, and those only from FP8."""
+    if (stored == FP8) != (expected == FP8):
+        raise CheckpointError(f"checkpoint {source}: {names[0]} holds {stored} values where the model expects "
+                              f"{expected}: FP8 values load only into the FP8 layers the checkpoint's "
+                              "quantization_config declares, and those only from FP8 values")

@@ -5,6 +5,10 @@ Our modules mirror transformers' names, so one small rule set covers both famili
 Mamba conv weight drops torch's singleton axis; stacked experts come either stacked (transformers >= 5 layout,
 [E, out, in]) or one tensor per expert (`experts.{j}.up_proj.weight`, the published layout), and gated experts
 may come with gate and up fused (`experts.gate_up_proj`). Everything else keeps its name and shape.
+
+Layers an FP8 checkpoint quantizes keep its tensors as they are (jaxmodels.layers.fp8_linear): `*.weight` [out, in]
+and its scales under the same names, FP8 experts stacked from the per-expert tensors with no transpose. A scale
+whose shape does not fit names its weight in the loader's error.
 """
 
 import dataclasses
@@ -23,11 +27,15 @@ class TensorSource:
     assemble: Callable[[list[np.ndarray]], np.ndarray]
     # The inverse of `assemble`, for writing HF checkpoints: our param -> the checkpoint tensors, in `names` order.
     disassemble: Callable[[np.ndarray], list[np.ndarray]]
+    note: str = ""  # what a shape mismatch should also say (a scale's weight)
 
 
 Rule = Callable[[str, tuple[int, ...], object], TensorSource | None]
 
 _EXPERT_PARAM = re.compile(r"^(?P<base>(.*\.)?experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_FP8_EXPERT_TENSOR = re.compile(r"^(?P<base>(.*\.)?experts)\.(?P<proj>gate_proj|up_proj|down_proj)\."
+                                r"(?P<tensor>weight|weight_scale_inv|weight_scale|input_scale)$")
+BLOCK_SCALE = "weight_scale_inv"
 
 
 def linear_kernel(path, shape, reader):
@@ -81,12 +89,35 @@ def fused_gate_up_experts(path, shape, reader):
                         lambda a: a[0][:, half].transpose(0, 2, 1), write_back)
 
 
+def _scale_note(scale_name: str, reader) -> str:
+    """Where a block scale's shape comes from: its weight, as the checkpoint has it."""
+    weight = scale_name[: -len(BLOCK_SCALE)] + "weight"
+    found = f", shape {tuple(reader.shape(weight))} in the checkpoint" if weight in reader else ""
+    return f"one scale per block of its weight {weight}{found}"
+
+
+def block_scale(path, shape, reader):
+    if path.endswith("." + BLOCK_SCALE):
+        return TensorSource((path,), (shape,), lambda a: a[0], lambda p: [p], note=_scale_note(path, reader))
+    return None
+
+
+def fp8_experts(path, shape, reader):
+    """An FP8 expert stack's weight [E, out, in] or scales [E, ...]: the published per-expert tensors, stacked."""
+    match = _FP8_EXPERT_TENSOR.match(path)
+    if not match:
+        return None
+    names = tuple(f"{match['base']}.{j}.{match['proj']}.{match['tensor']}" for j in range(shape[0]))
+    note = _scale_note(names[0], reader) + " (and of each expert's)" if match["tensor"] == BLOCK_SCALE else ""
+    return TensorSource(names, (tuple(shape[1:]),) * shape[0], np.stack, list, note=note)
+
+
 def same_name(path, shape, reader):
     return TensorSource((path,), (shape,), lambda a: a[0], lambda p: [p])
 
 
 DEFAULT_RULES: tuple[Rule, ...] = (linear_kernel, embedding, depthwise_conv, fused_gate_up_experts, stacked_experts,
-                                   same_name)
+                                   fp8_experts, block_scale, same_name)
 
 
 def renamed(param_prefix: str, checkpoint_prefix: str, rules: tuple[Rule, ...] = DEFAULT_RULES) -> Rule:

@@ -7,6 +7,7 @@ import logging
 import sys
 
 SPECULATIVE_HELP = "draft this many tokens per step with the checkpoint's MTP layers (0: off)"
+QUANTIZATION_HELP = "an FP8 checkpoint runs in FP8 unless 'dequantize' converts its weights to --dtype on load"
 
 
 def generate(args) -> None:
@@ -17,7 +18,7 @@ def generate(args) -> None:
     prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.split(",")]
     # One request: compile only the buckets it uses instead of warming up all of them.
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, max_seq_len=args.max_seq_len, warmup=False,
-              num_speculative_tokens=args.num_speculative_tokens)
+              num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     (out,) = llm.generate([prompt], params)
@@ -46,7 +47,8 @@ def serve(args) -> None:
                    max_queued_requests=args.max_queued_requests, dtype=args.dtype,
                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dp=args.dp, tp=args.tp,
                    max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup,
-                   num_speculative_tokens=args.num_speculative_tokens)
+                   num_speculative_tokens=args.num_speculative_tokens,
+                   quantization=args.quantization)
     serve_forever(app, args.host, args.port)
 
 
@@ -77,6 +79,7 @@ def main(argv=None) -> None:
     gen.add_argument("--dtype", default="bfloat16")
     gen.add_argument("--max-seq-len", type=int, default=4096)
     gen.add_argument("--num-speculative-tokens", type=int, default=0, help=SPECULATIVE_HELP)
+    gen.add_argument("--quantization", choices=["dequantize"], default=None, help=QUANTIZATION_HELP)
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)")
     srv.add_argument("--model", required=True, help="HF checkpoint directory, or a Hugging Face Hub id")
     srv.add_argument("--served-model-name", help="the id clients send as `model` (default: --model as given)")
@@ -85,6 +88,7 @@ def main(argv=None) -> None:
     srv.add_argument("--dtype", default="bfloat16")
     srv.add_argument("--max-batch-size", type=int, default=64)
     srv.add_argument("--max-seq-len", type=int, default=4096)
+    srv.add_argument("--quantization", choices=["dequantize"], default=None, help=QUANTIZATION_HELP)
     srv.add_argument("--max-prefill-tokens", type=int, default=None, help="tokens per prefill step")
     srv.add_argument("--dp", type=int, default=1)
     srv.add_argument("--tp", type=int, default=1)

@@ -11,6 +11,7 @@ from jaxmodels.configs.nemotron_h import NemotronHConfig
 from jaxmodels.models.deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from jaxmodels.models.nemotron_h import NemotronHForCausalLM
 from jaxmodels.nnx_params import abstract_module
+from jaxmodels.quantization import with_fp8_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ def load_config(source):
 
 def abstract_model(config, dtype, matmul_precision: str | None = None):
     """(graphdef, abstract state, {dotted path: ShapeDtypeStruct}) of the model for `config`, allocating no
-    weight."""
+    weight. The layers an FP8 checkpoint quantizes hold FP8 weights (`config.quantization`)."""
     dtype = jnp.dtype(dtype)
-    return abstract_module(lambda: model_class(config)(config, dtype=dtype, matmul_precision=matmul_precision))
+    return abstract_module(lambda: with_fp8_weights(
+        model_class(config)(config, dtype=dtype, matmul_precision=matmul_precision), config))

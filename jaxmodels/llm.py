@@ -44,7 +44,8 @@ class LLM:
                  num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None,
                  memory_fraction: float | None = None, matmul_precision: str | None = None, overlap: bool = True,
-                 mamba_ssm_cache_dtype: str | None = None, num_speculative_tokens: int = 0):
+                 mamba_ssm_cache_dtype: str | None = None, num_speculative_tokens: int = 0,
+                 quantization: str | None = None):
         """Load `path` (an HF checkpoint directory, or `model=` an already built model) and start the engine.
 
         `dtype` is the weights' and activations' dtype and the compute precision (float32 means full float32
@@ -53,7 +54,10 @@ class LLM:
         config's SSM state dtype ("bfloat16" halves the state traffic of Nemotron-H decode; float32 by default).
         `num_speculative_tokens` k (0: off) drafts k tokens per step with the checkpoint's multi-token-prediction
         layers and verifies them in one target step; outputs are those of plain decoding (see
-        jaxmodels.engine.speculative), `metrics()` reports the accept rate. The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
+        jaxmodels.engine.speculative), `metrics()` reports the accept rate.
+        An FP8 checkpoint is served in FP8 (its quantized weights stay FP8 on the devices, `dtype` is that of the
+        activations and the other params); `quantization="dequantize"` converts them to `dtype` on load instead.
+        The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).
         """
         # dp x tp devices: each of the dp groups serves its own requests from its own cache pools (max_batch_size
@@ -65,7 +69,8 @@ class LLM:
         # layer).
         model = model if model is not None else load_model(path, jnp.dtype(dtype), progress=progress,
                                                            matmul_precision=matmul_precision,
-                                                           load_mtp=num_speculative_tokens > 0)
+                                                           load_mtp=num_speculative_tokens > 0,
+                                                           quantization=quantization)
         self.tokenizer = load_tokenizer(path) if path is not None else None
         self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,

@@ -15,6 +15,7 @@ from jaxmodels.configs import read_config_dict
 from jaxmodels.families import abstract_model, load_config, model_class
 from jaxmodels.hub import resolve_model_path
 from jaxmodels.nnx_params import merge_params, model_params
+from jaxmodels.quantization import check_mode, dequantized
 
 
 def checkpoint_ignore_patterns(config, *, load_mtp: bool = True) -> tuple[str, ...]:
@@ -44,10 +45,23 @@ def without_mtp(config):
     return dataclasses.replace(config, num_nextn_predict_layers=0)
 
 
+def built_config(raw_config: dict, *, load_mtp: bool, quantization) -> dict:
+    """The HF config of the model `load_model` built from a checkpoint with `raw_config`: without the MTP layers it
+    skipped, without the quantization it undid."""
+    built = dict(raw_config)
+    if not load_mtp:
+        built["num_nextn_predict_layers"] = 0
+    if quantization == "dequantize":
+        built.pop("quantization_config", None)
+    return built
+
+
 def build_from_reader(config, reader, dtype, *, load_mtp: bool = True, progress: bool = True,
-                      matmul_precision: str | None = None):
+                      matmul_precision: str | None = None, quantization: str | None = None):
     """Build the model for `config` with the weights `reader` provides, checked strictly. `load_mtp=False` builds it
-    without the MTP layers the config declares and skips their tensors."""
+    without the MTP layers the config declares and skips their tensors. The layers an FP8 checkpoint quantizes keep
+    their FP8 weights and scales, or with quantization="dequantize" become dense layers in `dtype`."""
+    check_mode(quantization)
     ignore = checkpoint_ignore_patterns(config, load_mtp=load_mtp)
     if not load_mtp:
         config = without_mtp(config)
@@ -61,7 +75,8 @@ def build_from_reader(config, reader, dtype, *, load_mtp: bool = True, progress:
             f"{err}\nThe config declares {config.num_nextn_predict_layers} multi-token-prediction layer(s) "
             "(num_nextn_predict_layers) whose tensors the checkpoint lacks; load_model(..., load_mtp=False) loads the "
             "model without them (it then cannot draft tokens for speculative decoding).", missing=err.missing) from err
-    return merge_params(graphdef, state, params)
+    model = merge_params(graphdef, state, params)
+    return dequantized(model) if quantization == "dequantize" else model
 
 
 def _lacks_mtp_tensors(err: CheckpointError, config) -> bool:
@@ -70,7 +85,7 @@ def _lacks_mtp_tensors(err: CheckpointError, config) -> bool:
 
 
 def load_model(path, dtype="float32", *, converted_cache=None, progress: bool = True,
-               matmul_precision: str | None = None, load_mtp: bool = True):
+               matmul_precision: str | None = None, load_mtp: bool = True, quantization: str | None = None):
     """Load a model from an HF checkpoint directory (or a Hugging Face Hub id), or from a directory `save_converted`
     wrote.
 
@@ -84,21 +99,28 @@ def load_model(path, dtype="float32", *, converted_cache=None, progress: bool = 
     The multi-token-prediction (MTP) layers the config declares (`num_nextn_predict_layers`), which draft tokens
     for speculative decoding, are loaded too, and a checkpoint that lacks their tensors is an error naming them;
     `load_mtp=False` builds the model without them and skips their tensors.
+
+    An FP8 checkpoint (`quantization_config` in its config.json: DeepSeek-V3.2 / GLM-5 block-scaled, NVIDIA ModelOpt
+    per-tensor) is served in FP8: its quantized layers keep their float8_e4m3fn weights and scales on the device, and
+    their products quantize the activations on the fly (see jaxmodels.quantization); `dtype` is then the dtype of the
+    activations and of the unquantized params. `quantization="dequantize"` converts those weights to `dtype` on load
+    instead (for comparison, and where no FP8 GEMM is fast); on an unquantized checkpoint it changes nothing.
     """
+    check_mode(quantization)
     path = resolve_model_path(path)  # a Hub id -> its snapshot directory
     dtype = jnp.dtype(dtype)
     if converted_cache is not None and is_converted_dir(converted_cache):
-        return _restore(converted_cache, dtype, matmul_precision, load_mtp)
+        return _restore(converted_cache, dtype, matmul_precision, load_mtp, quantization)
     if is_converted_dir(path):
-        return _restore(path, dtype, matmul_precision, load_mtp)
+        return _restore(path, dtype, matmul_precision, load_mtp, quantization)
     raw_config = read_config_dict(path)
     config = load_config(raw_config)
     model = build_from_reader(config, open_checkpoint(path), dtype, load_mtp=load_mtp, progress=progress,
-                              matmul_precision=matmul_precision)
+                              matmul_precision=matmul_precision, quantization=quantization)
     if converted_cache is not None:
         # The converted directory's config describes the params it holds.
-        built_config = raw_config if load_mtp else {**raw_config, "num_nextn_predict_layers": 0}
-        save_converted(model_params(model), converted_cache, built_config, dtype=dtype)
+        save_converted(model_params(model), converted_cache,
+                       built_config(raw_config, load_mtp=load_mtp, quantization=quantization), dtype=dtype)
     return model
 
 
@@ -114,7 +136,7 @@ def from_torch(hf_model, dtype=None, *, progress: bool = True):
     return build_from_reader(config, reader, dtype, load_mtp=False, progress=progress)
 
 
-def _restore(directory, dtype, matmul_precision=None, load_mtp: bool = True):
+def _restore(directory, dtype, matmul_precision=None, load_mtp: bool = True, quantization=None):
     saved = jnp.dtype(converted_dtype(directory))
     if saved != dtype:
         raise ValueError(f"{directory} holds params converted to {saved}, not the requested {dtype}")
@@ -123,4 +145,5 @@ def _restore(directory, dtype, matmul_precision=None, load_mtp: bool = True):
     params = restore_converted(directory, abstract)
     if not load_mtp:
         graphdef, state, abstract = abstract_model(without_mtp(config), dtype, matmul_precision)
-    return merge_params(graphdef, state, {path: params[path] for path in abstract})
+    model = merge_params(graphdef, state, {path: params[path] for path in abstract})
+    return dequantized(model) if quantization == "dequantize" else model

@@ -1,6 +1,6 @@
-"""nnx plumbing between modules and flat params: {dotted path: array} out of a module, its params' logical axes, an
-abstract module (shapes only, no weight allocated) to load into, and the module back from its graphdef and filled
-params."""
+"""nnx plumbing between modules and flat params: {dotted path: array} out of a module, its params' logical axes (and
+block sizes), an abstract module (shapes only, no weight allocated) to load into, and the module back from its graphdef
+and filled params."""
 
 import jax
 from flax import nnx
@@ -33,6 +33,13 @@ def param_axes(model) -> dict:
     """{dotted path: logical axes} of a model's (or a state's) params: the `axes` metadata each param declares where
     it is defined (one name per dimension, see sharding.rules), None for a param that declares none."""
     return {param_path(key): var.get_metadata().get("axes") for key, var in nnx.to_flat_state(nnx.state(model))}
+
+
+def param_blocks(model) -> dict:
+    """{dotted path: block} of the params that declare one (block-scaled FP8 weights: sharding may cut them only
+    between blocks, so that their scales split with them; see sharding.rules)."""
+    flat = nnx.to_flat_state(nnx.state(model))
+    return {param_path(key): var.get_metadata()["block"] for key, var in flat if var.get_metadata().get("block")}
 
 
 def abstract_state(state):

@@ -14,6 +14,8 @@ choices for speed and memory, never for correctness:
 A dimension is split only where its mesh axes divide it and no earlier dimension of the same array took one of
 them; otherwise it is left whole rather than padded. That one rule gives the expert fallback: an expert stack
 [E, in, inter] takes all devices on E when they divide it, else on each expert's intermediate dimension.
+A block-scaled FP8 weight counts its dimensions in blocks: it is split only between blocks, exactly where its scales
+(one per block, declaring the same axes) are, so that each device holds the scales of its own blocks.
 A logical axis missing from a table is an error, never a silent replication.
 """
 
@@ -78,24 +80,32 @@ def _fit(mesh_axes: tuple, shape: tuple[int, ...], mesh) -> P:
     return P(*spec)
 
 
-def spec_for(axes: tuple | None, shape: tuple[int, ...], mesh, *, param: str = "a param") -> P:
-    """The PartitionSpec on `mesh` (only its `shape` is read) of the param `param` with logical `axes` and `shape`."""
+def spec_for(axes: tuple | None, shape: tuple[int, ...], mesh, *, param: str = "a param",
+             block: tuple[int, ...] | None = None) -> P:
+    """The PartitionSpec on `mesh` (only its `shape` is read) of the param `param` with logical `axes` and `shape`;
+    `block` (the trailing dimensions' block sizes of a block-scaled weight) keeps splits between blocks."""
     if axes is None:
         raise ValueError(f"param {param} declares no logical axes: give it `axes` metadata where it is defined")
     if len(axes) != len(shape):
         raise ValueError(f"param {param} declares logical axes {axes} for its {len(shape)} dimensions {shape}")
+    if block:
+        sizes = (1,) * (len(shape) - len(block)) + tuple(block)
+        shape = tuple(-(-dim // size) for dim, size in zip(shape, sizes))
     return _fit(_mesh_axes(PARAM_AXIS_RULES, axes, f"param {param}"), tuple(shape), mesh)
 
 
-def param_partition_specs(params: dict, axes: dict, mesh) -> dict:
+def param_partition_specs(params: dict, axes: dict, mesh, blocks: dict | None = None) -> dict:
     """{dotted path: PartitionSpec} for {dotted path: array or ShapeDtypeStruct} params whose logical axes are
-    `axes` ({dotted path: axes}, see jaxmodels.nnx_params.param_axes)."""
-    return {path: spec_for(axes.get(path), value.shape, mesh, param=path) for path, value in params.items()}
+    `axes` ({dotted path: axes}, see jaxmodels.nnx_params.param_axes) and `blocks` their block sizes, where they
+    have one (jaxmodels.nnx_params.param_blocks)."""
+    blocks = blocks or {}
+    return {path: spec_for(axes.get(path), value.shape, mesh, param=path, block=blocks.get(path))
+            for path, value in params.items()}
 
 
-def shard_params(params: dict, axes: dict, mesh) -> dict:
-    """`params` placed on `mesh` by their logical `axes`."""
-    specs = param_partition_specs(params, axes, mesh)
+def shard_params(params: dict, axes: dict, mesh, blocks: dict | None = None) -> dict:
+    """`params` placed on `mesh` by their logical `axes` (and `blocks`, see param_partition_specs)."""
+    specs = param_partition_specs(params, axes, mesh, blocks)
     return {path: jax.device_put(value, NamedSharding(mesh, specs[path])) for path, value in params.items()}
 
 

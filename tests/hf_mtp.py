@@ -37,21 +37,22 @@ class ReferenceMTPLayer(torch.nn.Module):
         return {prefix + name: tensor for name, tensor in self.state_dict().items() if not name.startswith("stack.")}
 
 
-def save_with_mtp(variant: str, directory, seed: int = 1):
-    """A tiny target whose config declares one MTP layer (`variant`: one of VARIANTS), saved to `directory` with a
-    random reference MTP layer's tensors appended. Returns (target, reference MTP layer)."""
-    target, mtp_layer, published, _ = _target_with_mtp_layer(variant, seed)
+def save_with_mtp(variant: str, directory, seed: int = 1, **overrides):
+    """A tiny target whose config declares one MTP layer (`variant`: one of VARIANTS; `overrides` for its config),
+    saved to `directory` with a random reference MTP layer's tensors appended. Returns (target, reference MTP layer)."""
+    target, mtp_layer, published, _ = _target_with_mtp_layer(variant, seed, **overrides)
     append_tensors(save(target, directory), published(target, mtp_layer))
     return target, mtp_layer
 
 
-def _target_with_mtp_layer(variant: str, seed: int):
+def _target_with_mtp_layer(variant: str, seed: int, **overrides):
     """(target, random reference MTP layer, the function giving its published tensors, the attribute name of the
     family's final norm)."""
     if variant == "nemotron_h_moe":
-        target = make_nemotron_h("moe", num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"])
+        target = make_nemotron_h("moe", num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"],
+                                 **overrides)
         return target, nemotron_h_mtp_layer(target, seed), nemotron_h_published_tensors, "norm_f"
-    target = make_dsa(variant, num_nextn_predict_layers=1)
+    target = make_dsa(variant, num_nextn_predict_layers=1, **overrides)
     return target, dsa_mtp_layer(target, seed), dsa_published_tensors, "norm"
 
 

@@ -9,6 +9,7 @@ transformers has it) and GLM-5's `indexer_types`, where a `shared` layer reuses 
 import dataclasses
 
 from jaxmodels.configs.base import ConfigError, eos_token_ids, pop_alias, require_divisible, require_positive
+from jaxmodels.configs.quantization import Fp8Config, fp8_config_from_hf
 from jaxmodels.configs.rope import RopeConfig, rope_config_from_hf
 
 INDEXER_NUMERICS = ("exact", "reference")
@@ -48,6 +49,7 @@ class DeepseekV32Config:
     max_position_embeddings: int = 4096
     num_nextn_predict_layers: int = 0
     eos_token_id: tuple[int, ...] = ()
+    quantization: Fp8Config | None = None  # how an FP8 checkpoint stores its weights (None: unquantized)
 
     model_type = "deepseek_v32"
 
@@ -117,6 +119,7 @@ class DeepseekV32Config:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 0) or 0,
             eos_token_id=eos,
+            quantization=fp8_config_from_hf(raw),
         )
 
     def __post_init__(self):

@@ -3,6 +3,7 @@
 import dataclasses
 
 from jaxmodels.configs.base import ConfigError, eos_token_ids, pop_alias, require_divisible, require_positive
+from jaxmodels.configs.quantization import Fp8Config, fp8_config_from_hf
 
 # Legacy pattern letters -> canonical `layers_block_type` names (transformers' own mapping).
 PATTERN_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -56,6 +57,7 @@ class NemotronHConfig:
     # Multi-token prediction: num_nextn_predict_layers MTP layers, each a run of blocks of these kinds.
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = ()
+    quantization: Fp8Config | None = None  # how an FP8 checkpoint stores its weights (None: unquantized)
 
     model_type = "nemotron_h"
 
@@ -124,6 +126,7 @@ class NemotronHConfig:
             eos_token_id=eos,
             num_nextn_predict_layers=num_mtp_layers,
             mtp_layer_types=mtp_layer_types,
+            quantization=fp8_config_from_hf(raw),
         )
         for name in ("vocab_size", "hidden_size"):
             if values[name] is None:

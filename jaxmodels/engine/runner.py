@@ -177,7 +177,7 @@ class Runner:
             return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
 
-        param_specs = param_partition_specs(params, self.step.param_axes, mesh)
+        param_specs = param_partition_specs(params, self.step.param_axes, mesh, self.step.param_blocks)
         self.params = [jax.device_put(params[name], NamedSharding(mesh, param_specs[name]))
                        for name in self.param_names]
         cache_specs = cache_partition_specs(cache_shapes, mesh)

@@ -1,5 +1,5 @@
-"""The engine's side of a model: its params and their logical axes, its caches' shapes, and the step functions the
-runner jits (extend and decode; with speculative decoding, extend with its drafts and verify).
+"""The engine's side of a model: its params and their logical axes (and blocks), its caches' shapes, and the
+step functions the runner jits (extend and decode; with speculative decoding, extend with its drafts and verify).
 
 There is no per-family step code. Every model has one cache-aware forward, `model(tokens, step, caches)`, and
 declares its caches (`model.cache_shapes(sizes)`); a step builds the `StepContext` from the host's batch and calls
@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxmodels.engine import speculative
 from jaxmodels.engine.batch import DecodeBatch, ExtendBatch, VerifyBatch
-from jaxmodels.nnx_params import abstract_state, merge_params, model_params, param_axes
+from jaxmodels.nnx_params import abstract_state, merge_params, model_params, param_axes, param_blocks
 from jaxmodels.precision import matmul_precision_for
 from jaxmodels.step_context import StepContext
 
@@ -45,6 +45,7 @@ class ModelStep:
         self._model_mtp_cache_shapes = getattr(abstract_model, "mtp_cache_shapes", None)
         self.params = model_params(model)
         self.param_axes = param_axes(model)
+        self.param_blocks = param_blocks(model)
 
     def take_params(self) -> dict:
         """The params, handed over: the step drops its reference, so a copy placed elsewhere (sharded over a mesh)

@@ -28,9 +28,7 @@ import pallas_kernels
 from jaxmodels.layers.linear import linear
 from jaxmodels.layers.rope import apply_rope_half, apply_rope_interleaved
 
-FP8_E4M3_MAX = 448.0
 QUANT_BLOCK = 128  # values per FP8 scale in DeepSeek's reference code
-AMAX_FLOOR = 1e-4  # DeepSeek's act_quant clamps amax here, so an all-zero block still gets a finite scale
 
 
 class LayerNorm(nnx.Module):
@@ -64,12 +62,10 @@ def quantize_fp8_pow2(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x[..., D] (D <= 128, one block) -> (float8_e4m3fn values, float32 scale[...]) with x ≈ values · scale.
 
     The scale is the power of two at or above amax / 448 (DeepSeek's `ue8m0` format), so that dequantizing is exact
-    scaling and the largest magnitude lands in (224, 448].
+    scaling and the largest magnitude lands in (224, 448]: DeepSeek's act_quant with one group per row.
     """
-    xf = x.astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), AMAX_FLOOR)
-    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_E4M3_MAX)))
-    return (xf / scale[..., None]).astype(jnp.float8_e4m3fn), scale
+    values, scale = pallas_kernels.quantize_activations(x, x.shape[-1], pow2_scales=True)
+    return values, scale[..., 0]
 
 
 class LightningIndexer(nnx.Module):

@@ -1,5 +1,8 @@
-"""Dense projections. Kernels are stored [in, out] (`kernel`), the transpose of torch's `weight`."""
+"""Dense projections. Kernels are stored [in, out] (`kernel`), the transpose of torch's `weight`; the layers of an
+FP8 checkpoint keep its FP8 [out, in] weights instead (layers/fp8_linear.py). `kernel_of` and `held_in_features`
+read either kind."""
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -27,6 +30,16 @@ def linear(in_features: int, out_features: int, *, axes: tuple[str, str], rngs: 
         bias_metadata={"axes": ("bias",)},
         rngs=rngs,
     )
+
+
+def kernel_of(layer) -> jax.Array:
+    """The layer's kernel [in, out] in the model dtype: a dense layer's own, or an FP8 layer's dequantized."""
+    return layer.kernel[...] if isinstance(layer, nnx.Linear) else layer.dequantized()
+
+
+def held_in_features(layer) -> int:
+    """The input width of the layer's weight on this device (a slice when a data-parallel split cuts it)."""
+    return layer.kernel.shape[0] if isinstance(layer, nnx.Linear) else layer.held_in_features
 
 
 def lm_logits(hidden, embedding: nnx.Embed, lm_head: nnx.Linear | None):

@@ -25,7 +25,7 @@ from flax import nnx
 import pallas_kernels
 from jaxmodels.layers.attention import masked_gqa
 from jaxmodels.layers.indexer import LightningIndexer, causal_layout
-from jaxmodels.layers.linear import linear
+from jaxmodels.layers.linear import kernel_of, linear
 from jaxmodels.layers.norms import RMSNorm
 from jaxmodels.layers.rope import apply_rope_interleaved, softmax_scale_multiplier
 from jaxmodels.step_context import StepContext
@@ -97,8 +97,9 @@ class MLAttention(nnx.Module):
         return q_nope, q_rope, jnp.concatenate([c_kv, k_rope], axis=-1), q_latent
 
     def _kv_b_heads(self):
-        """kv_b_proj's kernel per head: (W_UK[Dl, H, dn], W_UV[Dl, H, dv])."""
-        w = self.kv_b_proj.kernel[...].reshape(self.kv_lora_rank, self.num_heads, -1)
+        """kv_b_proj's kernel per head: (W_UK[Dl, H, dn], W_UV[Dl, H, dv]). An FP8 kv_b_proj is dequantized for these
+        products, with no activation quantization, as DeepSeek's reference code does on its absorbed path."""
+        w = kernel_of(self.kv_b_proj).reshape(self.kv_lora_rank, self.num_heads, -1)
         return w[..., : self.qk_nope_head_dim], w[..., self.qk_nope_head_dim:]
 
     # ---- absorbed path --------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmodels.layers.group_parallel import across_groups
-from jaxmodels.layers.linear import ACTIVATIONS, linear
+from jaxmodels.layers.linear import ACTIVATIONS, held_in_features, linear
 
 
 class _FeedForward(nnx.Module):
@@ -15,7 +15,7 @@ class _FeedForward(nnx.Module):
     def is_split(self) -> bool:
         """Whether this group holds a slice of the intermediate dimension. A slice's output is a partial sum only
         without an output bias, which every group would add again."""
-        split = self.down_proj.kernel.shape[0] < self.intermediate_size
+        split = held_in_features(self.down_proj) < self.intermediate_size
         if split and self.down_proj.bias is not None:
             raise NotImplementedError("an MLP with biases cannot be split over dp groups; use tp")
         return split

@@ -4,7 +4,8 @@ Routing: sigmoid scores; `e_score_correction_bias` is added for *selection only*
 `topk_group` best of `n_group` groups (a group scores as the sum of its two best experts); the chosen experts'
 unbiased scores are optionally renormalized and then multiplied by `routed_scaling_factor`.
 
-Experts run as two grouped matmuls over the tokens sorted by expert (`pallas_kernels.grouped_matmul`).
+Experts run as two grouped matmuls over the tokens sorted by expert (`pallas_kernels.grouped_matmul`, or for an FP8
+checkpoint's experts `Fp8ExpertStack`, its FP8 counterpart).
 """
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from jaxmodels.layers.fp8_linear import Fp8ExpertStack
 from jaxmodels.layers.group_parallel import across_groups
 from jaxmodels.layers.linear import ACTIVATIONS, linear
 from jaxmodels.layers.mlp import MLP
@@ -63,8 +65,23 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
     return order, group_sizes
 
 
+def _held_stack_shape(weights) -> tuple[int, int, int]:
+    """(experts, in, out) this device holds of a projection stack: dense [E, in, out], or FP8 [E, out, in]."""
+    if isinstance(weights, Fp8ExpertStack):
+        experts, fan_out, fan_in = weights.weight.shape
+        return experts, fan_in, fan_out
+    return tuple(weights.shape)
+
+
+def _grouped(weights, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    if isinstance(weights, Fp8ExpertStack):
+        return weights(rows, group_sizes)
+    return pallas_kernels.grouped_matmul(rows, weights[...], group_sizes)
+
+
 class RoutedExperts(nnx.Module):
-    """`num_experts` MLPs stored stacked: up_proj [E, in, inter] (gate_proj too when gated), down_proj [E, inter, in].
+    """`num_experts` MLPs stored stacked: up_proj [E, in, inter] (gate_proj too when gated), down_proj [E, inter, in],
+    or each an `Fp8ExpertStack` when an FP8 checkpoint's experts stay FP8 (jaxmodels.quantization swaps them in).
 
     Non-gated: `down(act(up(x)))` (Nemotron-H, relu²). Gated: `down(act(gate(x)) * up(x))` (DeepSeek, SiLU).
     """
@@ -80,13 +97,17 @@ class RoutedExperts(nnx.Module):
         self.up_proj = nnx.Param(init(rngs.params(), (num_experts, in_dim, intermediate), dtype), axes=up_axes)
         self.down_proj = nnx.Param(init(rngs.params(), (num_experts, intermediate, in_dim), dtype), axes=down_axes)
 
+    def projections(self) -> tuple[str, ...]:
+        """The attribute names of the projection stacks."""
+        return ("gate_proj", "up_proj", "down_proj") if self.gated else ("up_proj", "down_proj")
+
     def held_experts(self) -> int:
         """How many experts this group holds: all of them, or its slice when the experts are split over dp groups
         (see group_parallel)."""
-        return self.up_proj.shape[0]
+        return _held_stack_shape(self.up_proj)[0]
 
     def is_split(self) -> bool:
-        return self.held_experts() < self.num_experts or self.up_proj.shape[2] < self.intermediate
+        return self.held_experts() < self.num_experts or _held_stack_shape(self.up_proj)[2] < self.intermediate
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, first_expert=0) -> jax.Array:
         """x[N,D], routing weights/experts [N,k] -> sum over the k experts of weight * expert(x), [N,D].
@@ -102,13 +123,13 @@ class RoutedExperts(nnx.Module):
         group_sizes = group_sizes[:held]
         token_of_row = order // top_k
         rows = x[token_of_row]
-        hidden = pallas_kernels.grouped_matmul(rows, self.up_proj[...], group_sizes)
+        hidden = _grouped(self.up_proj, rows, group_sizes)
         act = ACTIVATIONS[self.activation]
         if self.gated:
-            hidden = act(pallas_kernels.grouped_matmul(rows, self.gate_proj[...], group_sizes)) * hidden
+            hidden = act(_grouped(self.gate_proj, rows, group_sizes)) * hidden
         else:
             hidden = act(hidden)
-        out = pallas_kernels.grouped_matmul(hidden, self.down_proj[...], group_sizes)
+        out = _grouped(self.down_proj, hidden, group_sizes)
         # Weighting and the sum over experts happen in float32, as transformers accumulates them.
         out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
         summed = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of_row].add(out)

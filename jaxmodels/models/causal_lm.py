@@ -21,6 +21,8 @@ class CausalLM(nnx.Module):
     # Tensors stored under each MTP layer's checkpoint prefix that copy the target's embedding or LM head: loading
     # skips them and the MTP layers use the target's.
     MTP_COPIES_OF_TARGET: tuple[str, ...] = ()
+    # Linear layers the family's FP8 checkpoints never quantize (wildcards over module paths; jaxmodels.quantization).
+    FP8_UNQUANTIZED: tuple[str, ...] = ("lm_head",)
 
     def _init_model(self, config, dtype, matmul_precision: str | None, rngs: nnx.Rngs | None) -> nnx.Rngs:
         """Set the config, dtype, precision and embedding; returns the rngs the layers draw from next."""

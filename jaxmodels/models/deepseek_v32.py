@@ -96,6 +96,8 @@ class DeepseekV32MTPLayer(MTPInputFusion, DeepseekV32DecoderLayer):
 class DeepseekV32ForCausalLM(CausalLM):
     HF_BASE_PREFIX = "model."  # transformers' layout, and DeepSeek's / Z.ai's published checkpoints
     MTP_COPIES_OF_TARGET = ("embed_tokens.weight", "shared_head.head.weight")
+    # DeepSeek's and Z.ai's FP8 checkpoints keep these in bf16 (see jaxmodels.quantization).
+    FP8_UNQUANTIZED = ("lm_head", "*.indexer.weights_proj", "*.eh_proj")
 
     def __init__(self, config: DeepseekV32Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  matmul_precision: str | None = None):

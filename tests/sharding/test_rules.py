@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmodels.families import abstract_model, load_config
-from jaxmodels.nnx_params import abstract_state, merge_params, model_params, param_axes
+from jaxmodels.nnx_params import abstract_state, merge_params, model_params, param_axes, param_blocks
 from sharding import param_partition_specs, spec_for
 from sharding.rules import ALL, PARAM_AXIS_RULES
 from tests.hf_models import DSA_BASE, DSA_VARIANTS, NEMOTRON_H_BASE, NEMOTRON_H_VARIANTS
@@ -32,6 +32,9 @@ def dsa(variant: str, **overrides) -> dict:
 # Every tiny model of both families, and the biases the tiny ones leave out.
 CONFIGS = {
     **{f"nemotron_h_{variant}": nemotron_h(variant) for variant in NEMOTRON_H_VARIANTS},
+    "nemotron_h_moe_fp8": nemotron_h("moe", quantization_config={"quant_method": "modelopt", "quant_algo": "FP8"}),
+    "deepseek_v32_fp8": dsa("deepseek_v32", quantization_config={"quant_method": "fp8",
+                                                                 "weight_block_size": [128, 128]}),
     "nemotron_h_mlp_bias": nemotron_h("dense", mlp_bias=True, mamba_proj_bias=True),
     **{variant: dsa(variant) for variant in DSA_VARIANTS},
     "deepseek_v32_attention_bias": dsa("deepseek_v32", attention_bias=True),
@@ -129,3 +132,55 @@ def test_representative_specs_on_a_2x4_mesh(name):
     params, axes = params_and_axes(name)
     specs = param_partition_specs(params, axes, MESH)
     assert {path: specs[path] for path in EXPECTED[name]} == EXPECTED[name]
+
+
+# FP8 checkpoints (jaxmodels.quantization): block-scaled DeepSeek-V3.2 with dims whose 128-blocks divide the 8
+# devices or not, per-tensor (ModelOpt) Nemotron-H with 8 and with 6 experts.
+BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+TENSOR_FP8 = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"]}
+FP8_CONFIGS = {
+    "deepseek_v32_fp8": dsa("deepseek_v32", hidden_size=256, intermediate_size=1024, moe_intermediate_size=512,
+                            quantization_config=BLOCK_FP8),
+    "nemotron_h_moe_fp8": nemotron_h("moe", quantization_config=TENSOR_FP8),
+    "nemotron_h_latent_moe_fp8": nemotron_h("latent_moe", quantization_config=TENSOR_FP8),
+}
+
+
+def fp8_specs(name: str) -> dict:
+    _, state, params = abstract_model(load_config(FP8_CONFIGS[name]), jnp.float32)
+    return param_partition_specs(params, param_axes(state), MESH, param_blocks(state))
+
+
+@pytest.mark.parametrize("name", sorted(FP8_CONFIGS))
+def test_fp8_scales_shard_with_their_weights(name):
+    """A block scale covers the same rows and columns on every device as the weight it scales: their specs are
+    equal. A per-tensor scale follows its weight's expert split, if any."""
+    specs = fp8_specs(name)
+    scales = [path for path in specs if path.endswith(("weight_scale_inv", "weight_scale", "input_scale"))]
+    assert scales
+    for path in scales:
+        weight = specs[path.rsplit(".", 1)[0] + ".weight"]
+        expected = weight if path.endswith("weight_scale_inv") else P(*weight[: len(specs[path])])
+        assert specs[path] == expected, path
+
+
+FP8_EXPECTED = {
+    "deepseek_v32_fp8": {
+        "layers.0.mlp.gate_proj.weight": P(ALL, None),  # 1024 rows: 8 blocks, one per device
+        "layers.0.mlp.down_proj.weight": P(None, ALL),
+        "layers.1.mlp.experts.gate_proj.weight": P(ALL, None, None),  # expert parallel
+        "layers.1.mlp.shared_experts.up_proj.weight": P(None, None),  # 512 rows divide 8 devices, 4 blocks do not
+        "layers.1.mlp.shared_experts.up_proj.weight_scale_inv": P(None, None),
+    },
+    "nemotron_h_latent_moe_fp8": {  # per-tensor: no blocks; 6 experts do not divide 8 devices, 16 columns do
+        "layers.1.mixer.experts.up_proj.weight": P(None, ALL, None),
+        "layers.1.mixer.experts.up_proj.weight_scale": P(None),
+        "layers.1.mixer.experts.up_proj.input_scale": P(None),
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(FP8_EXPECTED))
+def test_representative_fp8_specs_on_a_2x4_mesh(name):
+    specs = fp8_specs(name)
+    assert {path: specs[path] for path in FP8_EXPECTED[name]} == FP8_EXPECTED[name]

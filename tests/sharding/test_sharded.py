@@ -38,6 +38,13 @@ def test_speculative_serving_on_a_mesh_equals_one_device(tmp_path):
     assert "dp=2 tp=2 with speculative decoding serves the 1-device tokens" in out
 
 
+def test_sharded_fp8_serving_follows_one_device(tmp_path):
+    """FP8 weights split over the mesh with their scales (tests/sharding/fp8_serving_check.py)."""
+    out = run_on_8_devices("tests.sharding.fp8_serving_check", tmp_path)
+    for model in ("deepseek_v32", "nemotron_h"):
+        assert f"{model}: dp=2 tp=2 serves the FP8 checkpoint as one device does" in out
+
+
 def test_multi_process_job_equals_one_device(tmp_path):
     """Two processes of one JAX job on this host, as two hosts would run it: the mesh spans both."""
     from tests.hf_models import make_nemotron_h, save
