@@ -43,10 +43,9 @@ class DecodeBatch:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class VerifyBatch:
-    """Speculative decoding's step: per row, the position of its slot's last token; the drafts after it are on the
-    device too (padding rows: slot 0, position 0, an all-zero page row)."""
+    """Speculative decoding's step: per row, its slot, whose last token, its position and the drafts after it are on
+    the device (padding rows: slot 0, an all-zero page row)."""
 
-    positions: np.ndarray  # int32[B]
     slot_ids: np.ndarray  # int32[B]
     prompt_lens: np.ndarray  # int32[B]
     page_table: np.ndarray  # int32[B, pages_per_seq]
@@ -112,16 +111,14 @@ def decode_batch(requests, rows: int, tables) -> tuple[DecodeBatch, SamplingKnob
 
 
 def verify_batch(requests, rows: int, tables) -> tuple[VerifyBatch, SamplingKnobs]:
-    """requests: the verify step's requests; each one's num_computed is its last token's position (every token
-    before it is in the caches). The knobs' `step` is the output index of the token after that one."""
+    """requests: the verify step's requests. The knobs' `step` (output index) is set on the device, from the
+    position it keeps per slot."""
     slot_ids = np.zeros(rows, np.int32)
-    positions = np.zeros(rows, np.int32)
     n = len(requests)
     slot_ids[:n] = np.fromiter((r.slot for r in requests), np.int32, n)
-    positions[:n] = np.fromiter((r.num_computed for r in requests), np.int32, n)
-    batch = VerifyBatch(positions=positions, slot_ids=slot_ids, prompt_lens=tables.prompt_len[slot_ids],
+    batch = VerifyBatch(slot_ids=slot_ids, prompt_lens=tables.prompt_len[slot_ids],
                         page_table=tables.page_table[slot_ids])
-    return batch, _sampling(tables, slot_ids, positions + 1)
+    return batch, _sampling(tables, slot_ids, tables.prompt_len[slot_ids])
 
 
 def next_tokens(chunks, num_tokens: int) -> np.ndarray:

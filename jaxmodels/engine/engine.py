@@ -8,8 +8,8 @@ arrive (a request that stopped may run one extra step whose token is dropped), a
 request from its tokens, first settles the step in flight.
 
 With speculative decoding (`num_speculative_tokens` k > 0, see engine.speculative) every decode step is a VERIFY
-step that yields 1 to k+1 tokens per request. How many is known only when its results are read, so the loop does not
-overlap then: it reads each step's results before it schedules the next.
+step that yields 1 to k+1 tokens per request. The device keeps each slot's position and drafts, so verify steps
+overlap too; the host learns how many tokens a step gave when it reads it, one step later.
 """
 
 import dataclasses
@@ -77,7 +77,7 @@ class Engine:
         `mamba_ssm_cache_dtype` overrides the config's SSM state dtype (e.g. "bfloat16" halves the state traffic).
         `matmul_precision` overrides the precision the model's dtype implies (see jaxmodels.precision).
         `num_speculative_tokens` k > 0 drafts k tokens per step with the model's MTP layers and verifies them in one
-        step (lossless: greedy outputs are the same, sampled ones have the same distribution); it turns overlap off.
+        step (lossless: greedy outputs are the same, sampled ones have the same distribution).
         """
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
@@ -92,7 +92,7 @@ class Engine:
         self.config = model.config
         self.max_seq_len = max_seq_len
         self.num_speculative_tokens = k = num_speculative_tokens
-        self.overlap = overlap and not k
+        self.overlap = overlap
         prefill_sizes = sorted(prefill_sizes or prefill_buckets(max_prefill_tokens or min(max_seq_len, 1024)))
         decode_sizes = sorted(decode_sizes or decode_buckets(group_batch))
         if decode_sizes[-1] != group_batch:
@@ -101,9 +101,10 @@ class Engine:
         step = ModelStep(model, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, matmul_precision=matmul_precision,
                          num_speculative_tokens=k)
         # Pools per dp group: each group's slice of the (dp-split) caches is a whole pool with its null page / slot.
-        # A verify step writes up to 2k positions past a request's last token (see Scheduler._verify_batch): the
-        # page-table rows reach that far.
-        row_len = max_seq_len + 2 * k
+        # A verify step writes up to 2k positions past a request's last token, which may be k+1 past what the host
+        # knows while the step before it is in flight (see Scheduler._verify_batch): the page-table rows reach that
+        # far.
+        row_len = max_seq_len + 3 * k + 1 if k else max_seq_len
         self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len,
                                            page_size=page_size, num_pages=num_pages)
         if num_pages is None and memory_fraction is not None:
@@ -208,9 +209,11 @@ class Engine:
             self.times.wait_s += time.perf_counter() - start
             rows = step.rows_per_group
             per_group = [sampled[g * rows: g * rows + len(work)].tolist() for g, work in enumerate(step.works)]
-            if step.kind is StepKind.VERIFY:
-                self.times.spec_draft_tokens += self.num_speculative_tokens * sum(map(len, per_group))
-                self.times.spec_accepted_tokens += sum(result[-1] for results in per_group for result in results)
+            if step.kind is StepKind.VERIFY:  # drafts of requests still running (not of a finished one's extra step)
+                live = [result for work, results in zip(step.works, per_group)
+                        for request, result in zip(work, results) if not request.finished]
+                self.times.spec_draft_tokens += self.num_speculative_tokens * len(live)
+                self.times.spec_accepted_tokens += sum(result[-1] for result in live)
             before = self.scheduler.num_generated
             got += self.scheduler.finish(step.kind, step.works, per_group)
             self.times.generated_tokens += self.scheduler.num_generated - before

@@ -76,6 +76,7 @@ class Request:
     slot: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    verifying: int = 0  # speculative VERIFY steps sent whose tokens have not come back (each yields 1 to k+1)
     status: RequestStatus = RequestStatus.WAITING
 
     def __post_init__(self):

@@ -34,6 +34,7 @@ from jaxmodels.engine.batch import decode_batch, extend_batch, next_tokens, veri
 from jaxmodels.engine.buckets import bucket_for
 from jaxmodels.engine.cache import allocate_caches
 from jaxmodels.engine.scheduler import SlotTables
+from jaxmodels.engine.speculative import DraftState
 from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")
@@ -72,9 +73,9 @@ def _extend_hidden_fn(step, param_names, dp_axis):
 
 def _draft_fn(step, param_names, dp_axis):
     def run(param_values, caches, hidden, batch, next_tokens, sampled, drafts):
-        new, caches = step.draft_after_extend(dict(zip(param_names, param_values)), caches, hidden, batch,
-                                              next_tokens, sampled, dp_axis)
-        return drafts.at[batch.slot_ids].set(new), caches
+        new, positions, caches = step.draft_after_extend(dict(zip(param_names, param_values)), caches, hidden, batch,
+                                                         next_tokens, sampled, dp_axis)
+        return drafts.set(batch.slot_ids, new, positions), caches
 
     return run
 
@@ -139,8 +140,8 @@ class Runner:
         params = step.take_params()  # placed here (sharded over the mesh, if any); the step keeps no reference
         self.param_names = list(params)
         self.last_tokens = jnp.zeros((self.dp * sizes.num_slots,), jnp.int32)
-        # Each slot's drafts for its next verify step (one unused column without speculation).
-        self.drafts = jnp.zeros((self.dp * sizes.num_slots, max(self.speculative, 1)), jnp.int32)
+        # Each slot's drafts for its next verify step and its last token's position (unused without speculation).
+        self.drafts = DraftState.zeros(self.dp * sizes.num_slots, max(self.speculative, 1))
         self._to_devices = lambda tree: tree  # numpy batches go to the executables as they are
         self._mesh = mesh
         if mesh is None:

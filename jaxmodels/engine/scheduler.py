@@ -12,7 +12,8 @@ through `finish_extend` / `finish_decode`, which apply the stop conditions.
 
 With speculative decoding (`num_speculative_tokens` k > 0) a decode step is a VERIFY step: each request's last
 token and k drafts are checked at once and 1 to k+1 tokens come back (`finish_verify`). How many is known only then,
-so such a step is not committed ahead: the engine reads every verify step before it schedules the next. A finished request may thus sit in one
+so num_computed moves when they come back; the device keeps each slot's position itself, and while a verify step is
+in flight the next one is scheduled for the most it could have accepted (its pages, its length limit). A finished request may thus sit in one
 more step than it needed; its extra token is dropped. Preempting needs every token on the host (the request is
 recomputed from them), so `schedule(can_preempt=False)` returns None instead of preempting, and the engine settles
 the step in flight first.
@@ -189,16 +190,21 @@ class Scheduler:
         return batch
 
     def _verify_batch(self, can_preempt: bool):
-        """The decoding requests of a VERIFY step, each with pages for every position the step writes: the target
-        and the MTP layer write L .. L+k (L: the last token's position, num_computed), the draft chain up to
-        L+2k-1. num_computed moves only when the tokens come back (finish_verify)."""
+        """The decoding requests of a VERIFY step, each with pages for every position the step may write: the
+        target and the MTP layer write L .. L+k (L: the last token's position), the draft chain up to L+2k-1, and L
+        is num_computed plus up to k+1 for each verify step still in flight."""
         batch = []
-        lookahead = 2 * self.num_speculative_tokens
+        k = self.num_speculative_tokens
         for request in list(self.running.values()):
-            if (request.status is not RequestStatus.DECODING or request.request_id not in self.running
-                    or not request.may_grow(self.max_seq_len)):
+            if request.status is not RequestStatus.DECODING or request.request_id not in self.running:
                 continue
-            needed = self._pages_for(request, request.num_computed + lookahead)
+            # Each step in flight yields at least one token: stop once those leave no room for another.
+            if request.num_computed + request.verifying + 1 >= min(
+                    len(request.prompt) + request.params.max_new_tokens, self.max_seq_len):
+                continue
+            end = min(request.num_computed + (k + 1) * request.verifying + 2 * k,
+                      self.sizes.pages_per_seq * self.sizes.page_size)
+            needed = self._pages_for(request, end)
             while needed > len(self.free_pages):
                 if not can_preempt:
                     return None
@@ -209,11 +215,14 @@ class Scheduler:
             else:
                 self.slots.add_pages(request, self.free_pages.take(needed))
                 batch.append(request)
-        return [r for r in batch if r.request_id in self.running]
+        batch = [r for r in batch if r.request_id in self.running]
+        for request in batch:
+            request.verifying += 1
+        return batch
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
-        request.num_computed = 0
+        request.num_computed = request.verifying = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -268,6 +277,7 @@ class Scheduler:
         """
         got = []
         for request, result in zip(batch, results):
+            request.verifying -= 1
             if request.status is RequestStatus.FINISHED:
                 continue
             accepted = result[-1]

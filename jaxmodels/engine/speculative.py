@@ -18,11 +18,31 @@ with probability p(d), and after a rejection the token is drawn from p with d re
 max(0, p - q)). If all k drafts stand, the token after them is drawn from p. Greedy rows are the case p = one-hot.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jaxmodels.engine.sampler import filtered_logits
 from jaxmodels.step_context import StepContext
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftState:
+    """What the device keeps per slot between steps: the drafts for the slot's next verify step and the position of
+    its last token. The position lives here, not on the host, so a verify step can be sent before the previous
+    one's accepted count has come back (overlapped scheduling)."""
+
+    tokens: jax.Array  # int32[slots, k]
+    positions: jax.Array  # int32[slots]
+
+    @classmethod
+    def zeros(cls, num_slots: int, k: int) -> "DraftState":
+        return cls(tokens=jnp.zeros((num_slots, k), jnp.int32), positions=jnp.zeros((num_slots,), jnp.int32))
+
+    def set(self, slots, tokens, positions) -> "DraftState":
+        return DraftState(tokens=self.tokens.at[slots].set(tokens), positions=self.positions.at[slots].set(positions))
 
 
 def draft_chain(model, hidden, first_positions, page_table, slot_ids, caches, num_drafts: int,

@@ -9,6 +9,8 @@ abstract state (shapes only), never the model: its params are the runner's to pl
 on a mesh (`take_params`) nothing here keeps the unsharded arrays alive.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -94,8 +96,8 @@ class ModelStep:
                            dp_axis: str | None = None):
         """The MTP layer over an extend step's tokens (see engine.speculative), then the drafts of each sequence.
         next_tokens int32[T]: the token after each one, -1 where it is the token just sampled for its sequence
-        (sampled int32[S]). -> (drafts int32[S, k], caches); drafts of sequences whose prompt is not complete are
-        meaningless and never read."""
+        (sampled int32[S]). -> (drafts int32[S, k], the position of each sequence's sampled token [S], caches);
+        drafts of sequences whose prompt is not complete are meaningless and never read."""
         step = self._extend_context(batch, dp_axis)
         model = self._model(params)
         target, mtp = self._split(caches)
@@ -105,19 +107,20 @@ class ModelStep:
         rows = step.logit_rows
         drafts, mtp = speculative.draft_chain(model, out[rows], step.positions[rows], batch.page_table,
                                               batch.slot_ids, mtp, self.num_speculative_tokens, dp_axis)
-        return drafts, target + mtp
+        return drafts, step.positions[rows] + 1, target + mtp
 
-    def verify(self, params, caches, last_tokens, drafts, batch: VerifyBatch, knobs, *, greedy: bool,
-               dp_axis: str | None = None):
+    def verify(self, params, caches, last_tokens, state: speculative.DraftState, batch: VerifyBatch, knobs, *,
+               greedy: bool, dp_axis: str | None = None):
         """One speculative decoding step of each row (see engine.speculative): the target checks the slot's last
-        token and drafts, recurrent state commits the accepted ones, the MTP layer drafts anew.
-        last_tokens int32[slots], drafts int32[slots, k]: per slot on the device. -> (int32[S, k+2]: the k+1
-        tokens then the number accepted; last_tokens; drafts; caches)."""
+        token and drafts, recurrent state commits the accepted ones, the MTP layer drafts anew. last_tokens
+        int32[slots] and `state` (drafts and last positions) are per slot on the device, so the host needs neither.
+        -> (int32[S, k+2]: the k+1 tokens then the number accepted; last_tokens; state; caches)."""
         k = self.num_speculative_tokens
         slots = batch.slot_ids
-        proposed = drafts[slots]
+        proposed = state.tokens[slots]
         tokens = jnp.concatenate([last_tokens[slots][:, None], proposed], axis=1)
-        positions = batch.positions[:, None] + jnp.arange(k + 1, dtype=batch.positions.dtype)
+        start = jnp.where(slots > 0, state.positions[slots], 0)  # padding rows (null slot 0) at position 0
+        positions = start[:, None] + jnp.arange(k + 1, dtype=start.dtype)
         step = StepContext.verify(positions=positions, page_table=batch.page_table, slot_ids=slots,
                                   prompt_lens=batch.prompt_lens, dp_axis=dp_axis)
         model = self._model(params)
@@ -126,17 +129,18 @@ class ModelStep:
         logits = model.logits(hidden).reshape(len(slots), k + 1, -1)
         if greedy:
             out, accepted = speculative.accept_greedy(logits, proposed)
-        else:
+        else:  # the output index of the token after position `start`
+            knobs = dataclasses.replace(knobs, step=start + 1 - batch.prompt_lens)
             out, accepted = speculative.accept_sampled(logits, proposed, knobs)
         target = model.commit_verified(target, step, accepted)
         mtp_out, mtp = model.mtp_forward(hidden, out.reshape(-1), step, mtp)
         rows = jnp.arange(len(slots))
         last_hidden = mtp_out.reshape(len(slots), k + 1, -1)[rows, accepted]
-        new_drafts, mtp = speculative.draft_chain(model, last_hidden, batch.positions + accepted, batch.page_table,
-                                                  slots, mtp, k, dp_axis)
+        new_drafts, mtp = speculative.draft_chain(model, last_hidden, start + accepted, batch.page_table, slots, mtp,
+                                                  k, dp_axis)
         result = jnp.concatenate([out, accepted[:, None]], axis=1)
-        return (result, last_tokens.at[slots].set(out[rows, accepted]), drafts.at[slots].set(new_drafts),
-                target + mtp)
+        state = state.set(slots, new_drafts, start + accepted + 1)
+        return result, last_tokens.at[slots].set(out[rows, accepted]), state, target + mtp
 
     def decode(self, params, caches, batch: DecodeBatch, tokens, dp_axis: str | None = None):
         """One token per row, tokens[B] -> (logits [B, V], caches)."""

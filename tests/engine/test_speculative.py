@@ -77,8 +77,10 @@ def test_agreeing_drafter_is_always_accepted(tmp_path):
     metrics = llm.metrics()
     assert metrics["spec_accept_rate"] == 1.0, metrics
     # The first token comes from the prompt's extend step; each verify step then yields k + 1: (k + 1)x fewer
-    # target steps than the NEW_TOKENS - 1 of plain decoding.
-    assert metrics["decode_steps"] == math.ceil((NEW_TOKENS - 1) / (k + 1))
+    # target steps than the NEW_TOKENS - 1 of plain decoding. With overlapped scheduling one more step may be sent
+    # before the last one's tokens show the requests done (its tokens are dropped).
+    useful = math.ceil((NEW_TOKENS - 1) / (k + 1))
+    assert useful <= metrics["decode_steps"] <= useful + 1, metrics
 
 
 def test_sampling_keeps_the_target_distribution(nemotron_partial):
