@@ -244,7 +244,7 @@ class Engine:
             running=counts["running"], waiting=counts["waiting"], steps=t.steps, extend_steps=t.extend_steps,
             decode_steps=t.decode_steps, mean_decode_batch=t.decode_rows / max(t.decode_steps, 1),
             generated_tokens=t.generated_tokens, host_s_per_step=host / steps, wall_s_per_step=t.wall_s / steps,
-                host_fraction=host / t.wall_s if t.wall_s else 0.0, preemptions=self.scheduler.num_preemptions,
+            host_fraction=host / t.wall_s if t.wall_s else 0.0, preemptions=self.scheduler.num_preemptions,
             kv_pages_used=pages - counts["free_pages"], kv_pages_total=pages,
             slots_used=slots - counts["free_slots"], slots_total=slots,
             spec_draft_tokens=t.spec_draft_tokens, spec_accepted_tokens=t.spec_accepted_tokens,

@@ -95,9 +95,11 @@ class Request:
 
         Its steps sent so far (some perhaps still on the device) end with the token at position num_computed - 1,
         which samples token number num_computed of token_ids; one more step is useful while that token leaves
-        room under both limits.
+        room under both limits. A speculative VERIFY step in flight yields at least one token more than
+        num_computed counts (`verifying`).
         """
-        return self.num_computed + 1 < min(len(self.prompt) + self.params.max_new_tokens, max_seq_len)
+        return self.num_computed + self.verifying + 1 < min(len(self.prompt) + self.params.max_new_tokens,
+                                                            max_seq_len)
 
     def stop_reason(self, token: int, max_seq_len: int) -> str | None:
         if token in self.params.stop_token_ids or (token in self.eos_ids and not self.params.ignore_eos):

@@ -65,8 +65,7 @@ def _forward_fn(step, kind: StepKind, param_names: list[str], dp_axis: str | Non
 
 def _extend_hidden_fn(step, param_names, dp_axis):
     def run(param_values, caches, batch):
-        logits, hidden, caches = step.extend_hidden(dict(zip(param_names, param_values)), caches, batch, dp_axis)
-        return logits, hidden, caches
+        return step.extend_hidden(dict(zip(param_names, param_values)), caches, batch, dp_axis)
 
     return run
 
@@ -82,10 +81,8 @@ def _draft_fn(step, param_names, dp_axis):
 
 def _verify_fn(step, param_names, mode: str, dp_axis):
     def run(param_values, caches, last_tokens, drafts, batch, knobs):
-        result, last_tokens, drafts, caches = step.verify(dict(zip(param_names, param_values)), caches, last_tokens,
-                                                          drafts, batch, knobs, greedy=mode == "greedy",
-                                                          dp_axis=dp_axis)
-        return result, last_tokens, drafts, caches
+        return step.verify(dict(zip(param_names, param_values)), caches, last_tokens, drafts, batch, knobs,
+                           greedy=mode == "greedy", dp_axis=dp_axis)
 
     return run
 
@@ -167,7 +164,7 @@ class Runner:
             for kind in (StepKind.EXTEND, StepKind.DECODE):
                 self._programs[kind] = self._jit(_forward_fn(step, kind, names, dp_axis), model_in + ("rows",) * 2,
                                                  ("rows", "caches"), donate=(1,))
-        # Compiled executables by job (see _jobs).
+        # Compiled executables by job (see jobs).
         self._compiled: dict[tuple, object] = {}
         self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
@@ -220,7 +217,7 @@ class Runner:
             part = decode_batch([], n, self._example_tables)
         return _concat_groups([part] * self.dp)
 
-    def _jobs(self) -> list[tuple]:
+    def jobs(self) -> list[tuple]:
         """Every executable serving may call: (program, bucket) or (program, bucket, sampler mode)."""
         if self.speculative:
             forwards = ([(EXTEND_HIDDEN, n) for n in self.prefill_sizes] + [(DRAFT, n) for n in self.prefill_sizes]
@@ -233,7 +230,7 @@ class Runner:
         return forwards + [("sampler", n, mode) for n in rows for mode in SAMPLERS]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile every executable serving may call (see _jobs). An all-padding batch has the exact shapes and
+        """Compile every executable serving may call (see jobs). An all-padding batch has the exact shapes and
         dtypes of a real one.
 
         Tracing runs here one executable after another; XLA compiles them on a thread per core, which releases the
@@ -241,7 +238,7 @@ class Runner:
         """
         from tqdm.auto import tqdm
 
-        jobs = self._jobs()
+        jobs = self.jobs()
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool, \
                 tqdm(total=len(jobs), desc="compiling buckets", disable=not progress) as bar:
@@ -258,7 +255,7 @@ class Runner:
         return program.lower(*args)
 
     def program_and_args(self, job) -> tuple:
-        """(the jitted program of `job` (see _jobs), example arguments of its exact shapes and dtypes)."""
+        """(the jitted program of `job` (see jobs), example arguments of its exact shapes and dtypes)."""
         program, n, *mode = job
         if program == "sampler":
             logits = jax.ShapeDtypeStruct((self.dp * n, self.step.config.vocab_size), jnp.float32)
@@ -277,9 +274,6 @@ class Runner:
             return self._programs[program, mode[0]], (*model_args, self.last_tokens, self.drafts,
                                                       *self._example(program, n))
         return self._programs[program], (*model_args, self.last_tokens, self._example(program, n)[0])
-
-    def jobs(self) -> list[tuple]:
-        return self._jobs()
 
     def _executable(self, job):
         if job not in self._compiled:  # only without warm-up

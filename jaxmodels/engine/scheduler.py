@@ -8,15 +8,15 @@ kept, and it is recomputed from its tokens later (so no request is dropped).
 
 `schedule()` commits what it returns: the chosen tokens count as computed from then on, so the engine may schedule
 the next step before the device has returned this one's tokens (overlapped scheduling). The tokens come back
-through `finish_extend` / `finish_decode`, which apply the stop conditions.
+through `finish_extend` / `finish_decode`, which apply the stop conditions. A finished request may thus sit in one
+more step than it needed; its extra token is dropped. Preempting needs every token on the host (the request is
+recomputed from them), so `schedule(can_preempt=False)` returns None instead of preempting, and the engine settles
+the step in flight first.
 
 With speculative decoding (`num_speculative_tokens` k > 0) a decode step is a VERIFY step: each request's last
 token and k drafts are checked at once and 1 to k+1 tokens come back (`finish_verify`). How many is known only then,
 so num_computed moves when they come back; the device keeps each slot's position itself, and while a verify step is
-in flight the next one is scheduled for the most it could have accepted (its pages, its length limit). A finished request may thus sit in one
-more step than it needed; its extra token is dropped. Preempting needs every token on the host (the request is
-recomputed from them), so `schedule(can_preempt=False)` returns None instead of preempting, and the engine settles
-the step in flight first.
+in flight the next one is scheduled for the most it could have accepted (its pages, its length limit).
 
 Host work per step is O(1) per request: requests are kept in dicts by id (admission order), and the per-slot tables
 the batches are gathered from (`SlotTables`) are updated only when a request is admitted or gets a page.
@@ -163,27 +163,21 @@ class Scheduler:
         # The hot loop of a large batch: plain attribute arithmetic, no helper calls unless a page is due.
         batch = []
         page_size, max_seq_len, decoding = self.sizes.page_size, self.max_seq_len, RequestStatus.DECODING
-        preempted = False
+        preemptions = self.num_preemptions
         for request in list(self.running.values()):
-            if request.status is not decoding or (preempted and request.request_id not in self.running):
+            if request.status is not decoding:  # (a request preempted in this loop is waiting again)
                 continue
             if not request.may_grow(max_seq_len):
                 continue  # its last tokens are in flight; it finishes when they come back
             if request.num_computed // page_size >= len(request.pages):  # the new token opens a page
-                while not len(self.free_pages):
-                    if not can_preempt:
-                        return None
-                    victim = self._newest()
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is request:
-                        break
-                else:
-                    self.slots.add_pages(request, self.free_pages.take(1))
+                grown = self._grow(request, 1, can_preempt)
+                if grown is None:
+                    return None
+                if grown:
                     batch.append(request)
             else:
                 batch.append(request)
-        if preempted:  # a request preempted after it joined the batch must not run
+        if self.num_preemptions != preemptions:  # a request preempted after it joined the batch must not run
             batch = [r for r in batch if r.request_id in self.running]
         for request in batch:
             request.num_computed += 1
@@ -195,30 +189,33 @@ class Scheduler:
         is num_computed plus up to k+1 for each verify step still in flight."""
         batch = []
         k = self.num_speculative_tokens
+        row_end = self.sizes.pages_per_seq * self.sizes.page_size
         for request in list(self.running.values()):
-            if request.status is not RequestStatus.DECODING or request.request_id not in self.running:
+            if request.status is not RequestStatus.DECODING or not request.may_grow(self.max_seq_len):
                 continue
-            # Each step in flight yields at least one token: stop once those leave no room for another.
-            if request.num_computed + request.verifying + 1 >= min(
-                    len(request.prompt) + request.params.max_new_tokens, self.max_seq_len):
-                continue
-            end = min(request.num_computed + (k + 1) * request.verifying + 2 * k,
-                      self.sizes.pages_per_seq * self.sizes.page_size)
-            needed = self._pages_for(request, end)
-            while needed > len(self.free_pages):
-                if not can_preempt:
-                    return None
-                victim = self._newest()
-                self._preempt(victim)
-                if victim is request:
-                    break
-            else:
-                self.slots.add_pages(request, self.free_pages.take(needed))
+            end = min(request.num_computed + (k + 1) * request.verifying + 2 * k, row_end)
+            grown = self._grow(request, self._pages_for(request, end), can_preempt)
+            if grown is None:
+                return None
+            if grown:
                 batch.append(request)
         batch = [r for r in batch if r.request_id in self.running]
         for request in batch:
             request.verifying += 1
         return batch
+
+    def _grow(self, request: Request, pages: int, can_preempt: bool) -> bool | None:
+        """Give `request` `pages` more pages, preempting the newest requests while too few are free: True when it
+        got them, False when it was preempted itself, None when that needed a preemption `can_preempt` forbids."""
+        while pages > len(self.free_pages):
+            if not can_preempt:
+                return None
+            victim = self._newest()
+            self._preempt(victim)
+            if victim is request:
+                return False
+        self.slots.add_pages(request, self.free_pages.take(pages))
+        return True
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
