@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -35,6 +35,13 @@ for what in "$@"; do
           grep -A3 "| B |" "$log"; grep -A12 "^| category" "$log" | head -13; done ;;
     deepseek) bench --config bench/configs/deepseek_v32_4layer.json --phases prefill --prefill-chunk 4096 \
         --json "$OUT/deepseek.json" 2>&1 | tail -12 ;;
+    long_tests) python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_large_pools.py \
+        tests/engine/test_long_context.py 2>&1 | tail -15 ;;
+    long) for args in "nemotron_h_nano9b --batch 8" "deepseek_v32_4layer --batch 16" \
+          "deepseek_v32_4layer --batch 16 --dense"; do
+          set -- $args; config=$1; shift; log="$OUT/long_${config}$(echo "$*" | tr -d ' -').log"; echo "--- $config $*"
+          timeout 300 python3 bench/long_context.py --config "bench/configs/$config.json" "$@" \
+            --json "${log%.log}.json" > "$log" 2>&1; echo "exit $?"; grep -A6 "^### " "$log"; grep "peak" "$log"; done ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
   esac
 done

@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="bfloat16")
-    gen.add_argument("--max-seq-len", type=int, default=4096)
+    gen.add_argument("--max-seq-len", type=int, default=None,
+                     help="prompt + output tokens per request (default: 4096, or max_position_embeddings if smaller)")
     gen.add_argument("--num-speculative-tokens", type=int, default=0, help=SPECULATIVE_HELP)
     gen.add_argument("--quantization", choices=["dequantize"], default=None, help=QUANTIZATION_HELP)
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)")
@@ -87,7 +88,8 @@ def main(argv=None) -> None:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--dtype", default="bfloat16")
     srv.add_argument("--max-batch-size", type=int, default=64)
-    srv.add_argument("--max-seq-len", type=int, default=4096)
+    srv.add_argument("--max-seq-len", type=int, default=None,
+                     help="prompt + output tokens per request (default: 4096, or max_position_embeddings if smaller)")
     srv.add_argument("--quantization", choices=["dequantize"], default=None, help=QUANTIZATION_HELP)
     srv.add_argument("--max-prefill-tokens", type=int, default=None, help="tokens per prefill step")
     srv.add_argument("--dp", type=int, default=1)

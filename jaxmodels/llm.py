@@ -39,7 +39,7 @@ def load_tokenizer(path):
 
 
 class LLM:
-    def __init__(self, path, dtype="bfloat16", max_batch_size: int = 64, max_seq_len: int = 4096, dp: int = 1,
+    def __init__(self, path, dtype="bfloat16", max_batch_size: int = 64, max_seq_len: int | None = None, dp: int = 1,
                  tp: int = 1, *, max_prefill_tokens: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None,
@@ -57,6 +57,8 @@ class LLM:
         jaxmodels.engine.speculative), `metrics()` reports the accept rate.
         An FP8 checkpoint is served in FP8 (its quantized weights stay FP8 on the devices, `dtype` is that of the
         activations and the other params); `quantization="dequantize"` converts them to `dtype` on load instead.
+        `max_seq_len` bounds prompt plus output of one request: by default 4096 or the model's
+        max_position_embeddings if smaller, at most the latter.
         The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).
         """

@@ -71,6 +71,11 @@ def pages_within(budget_bytes: int, cache_shapes, sizes: PoolSizes) -> int:
     return int(pages)
 
 
+def reports_memory(devices=None) -> bool:
+    """Whether the devices tell how much memory they have (GPUs do, CPUs do not)."""
+    return all("bytes_limit" in (device.memory_stats() or {}) for device in devices or jax.devices())
+
+
 def free_device_memory(devices=None) -> int:
     """Bytes the allocator can still hand out on the most used device (the one that runs out first)."""
     free = []

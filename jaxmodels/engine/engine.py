@@ -18,7 +18,7 @@ import random
 import time
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
-from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within
+from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, reports_memory
 from jaxmodels.engine.request import Request, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import GroupedScheduler
@@ -28,6 +28,8 @@ from jaxmodels.step_context import StepKind
 log = logging.getLogger("jaxmodels.engine")
 
 MAX_SPECULATIVE_TOKENS = 8
+DEFAULT_MEMORY_FRACTION = 0.9  # of the device memory free after the weights, at most, for default-sized pools
+DEFAULT_MAX_SEQ_LEN = 4096  # unless the model's positions end sooner; longer contexts are asked for explicitly
 
 
 class InvalidRequest(ValueError):
@@ -58,17 +60,22 @@ class StepTimes:
 
 
 class Engine:
-    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, max_prefill_tokens: int | None = None,
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int | None = None, max_prefill_tokens: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, warmup: bool = True, progress: bool = True,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None, mesh=None,
                  memory_fraction: float | None = None, overlap: bool = True, mamba_ssm_cache_dtype=None,
                  matmul_precision: str | None = None, num_speculative_tokens: int = 0):
-        """`prefill_sizes` / `decode_sizes` replace the default bucket lists (fewer buckets compile faster; the
+        """`max_seq_len` (prompt plus output tokens of one request) may go up to the model's
+        `max_position_embeddings` (the YaRN-extended length where the config has YaRN); by default
+        min(DEFAULT_MAX_SEQ_LEN, that).
+
+        `prefill_sizes` / `decode_sizes` replace the default bucket lists (fewer buckets compile faster; the
         largest prefill bucket is the per-step token budget, the largest decode one must be max_batch_size).
 
         Pages: `num_pages` if given; else, with `memory_fraction`, as many as fit in that fraction of the device
         memory still free after the weights (the rest is left for activations and compilation); else enough for
-        max_batch_size requests of max_seq_len tokens.
+        max_batch_size requests of max_seq_len tokens, or on a device that reports its memory as many of those as
+        fit in DEFAULT_MEMORY_FRACTION of it.
 
         On a `mesh` with a "dp" axis of size dp, each data-parallel group serves max_batch_size / dp requests from
         its own pools: `num_pages`, `decode_sizes` and `prefill_sizes` are per group (see engine.runner).
@@ -79,6 +86,11 @@ class Engine:
         `num_speculative_tokens` k > 0 drafts k tokens per step with the model's MTP layers and verifies them in one
         step (lossless: greedy outputs are the same, sampled ones have the same distribution).
         """
+        positions = model.config.max_position_embeddings
+        max_seq_len = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, positions)
+        if max_seq_len > positions:
+            raise ValueError(f"max_seq_len={max_seq_len} is past the model's max_position_embeddings={positions}: "
+                             "positions beyond it were never trained (nor covered by the config's rope scaling)")
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
         dp = mesh.shape["dp"] if mesh is not None else 1
@@ -107,16 +119,9 @@ class Engine:
         row_len = max_seq_len + 3 * k + 1 if k else max_seq_len
         self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len,
                                            page_size=page_size, num_pages=num_pages)
-        if num_pages is None and memory_fraction is not None:
-            if not 0 < memory_fraction < 1:
-                raise ValueError(f"memory_fraction must be in (0, 1), got {memory_fraction}")
-            devices = list(mesh.devices.flat) if mesh is not None else None
-            # A device holds its group's pools; sized as if they were whole on it: safe, if low, where KV pages
-            # split over tp.
-            budget = int(memory_fraction * free_device_memory(devices))
-            pages = pages_within(budget, step.cache_shapes, self.sizes)
-            self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len,
-                                               page_size=page_size, num_pages=pages)
+        devices = list(mesh.devices.flat) if mesh is not None else None
+        if num_pages is None and (memory_fraction is not None or reports_memory(devices)):
+            self.sizes = self._pages_for_memory(step, memory_fraction, devices, group_batch, row_len, page_size)
         log.info("engine limits: max_batch_size=%d max_seq_len=%d max_prefill_tokens=%d; pools of each of %d dp "
                  "group(s): %d KV pages of %d tokens (page 0 null), %d state slots (slot 0 null)", max_batch_size,
                  max_seq_len, max_prefill_tokens, dp, self.sizes.num_pages, page_size, self.sizes.num_slots)
@@ -135,6 +140,25 @@ class Engine:
         self._inflight: list[_InFlight] = []
         self.last_launch: tuple[StepKind, int] | None = None  # (kind, rows) of the last step the last step() sent
         self.times = StepTimes()
+
+    def _pages_for_memory(self, step, memory_fraction, devices, group_batch, row_len, page_size) -> PoolSizes:
+        """Pools in `memory_fraction` of the memory left after the weights; without one, the pools of max_batch_size
+        requests of max_seq_len capped at DEFAULT_MEMORY_FRACTION of it (a long max_seq_len then shares fewer pages
+        among the requests, which the scheduler handles by waiting or preempting)."""
+        fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
+        if not 0 < fraction < 1:
+            raise ValueError(f"memory_fraction must be in (0, 1), got {memory_fraction}")
+        # A device holds its group's pools; sized as if they were whole on it: safe, if low, where KV pages split
+        # over tp.
+        pages = pages_within(int(fraction * free_device_memory(devices)), step.cache_shapes, self.sizes)
+        if memory_fraction is None:
+            if pages < self.sizes.num_pages:
+                log.warning("%d KV pages of %d tokens fit in %.0f%% of the free device memory, fewer than %d requests "
+                            "of max_seq_len=%d would take; they share them (pass num_pages or memory_fraction to "
+                            "choose)", pages - 1, page_size, 100 * fraction, group_batch, row_len)
+            pages = min(pages, self.sizes.num_pages)
+        return PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len, page_size=page_size,
+                                     num_pages=pages)
 
     def add_request(self, prompt, params: SamplingParams) -> Request:
         """Queue a request; raises InvalidRequest (touching no state) when the prompt or its params are bad."""

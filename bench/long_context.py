@@ -1,0 +1,169 @@
+"""Long context on the engine: time to first token and decode step time at 8k-128k tokens of context.
+
+    python3 bench/long_context.py --config bench/configs/deepseek_v32_4layer.json --contexts 8192,32768,131072 \
+        --batch 16 [--dense]
+
+Random bf16 weights made on the device (`jaxmodels.benchmark.random_model`), one engine sized for `--batch` requests
+of the longest context. Two measurements per context L:
+  * served: one prompt of L random tokens through `LLM`'s engine (chunked prefill of `--prefill-chunk` tokens,
+    paged caches), `--decode-steps` tokens after it: time to first token, and the median decode step (B=1).
+  * decode at batch B: the engine's compiled decode executable for B rows, each at context L, its caches filled with
+    random values instead of B prefills (the executable and its shapes are the ones serving runs; its time does
+    not depend on the cache values, and B prefills of 128k tokens would take minutes per point). Steps are sent
+    back to back as the overlapped engine does; ms/step = their wall time / steps.
+`--dense` serves the DSA model with `index_topk` at the engine's whole row, so every query attends to its whole
+context (dense MLA): the comparison the sparse path must win. Its served prefill is skipped past
+`--dense-prefill-max` tokens (dense attention over a 128k prompt costs minutes). The floor beside each decode figure
+is `jaxmodels.benchmark_floors.decode_floor_s`: weights, the cache a step must read, the states, at 4.25 TB/s.
+"""
+
+import argparse
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from jaxmodels.benchmark import cut_layers, random_model, run_engine, table
+from jaxmodels.benchmark_floors import decode_floor_s, model_costs, prefill_floor_s
+from jaxmodels.step_context import StepKind
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--contexts", default="8192,32768,131072", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--batch", type=int, default=8, help="rows of the decode-at-batch measurement")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--dense", action="store_true", help="DSA: index_topk over the whole context (dense MLA)")
+    p.add_argument("--dense-prefill-max", type=int, default=32768)
+    p.add_argument("--mamba-ssm-cache-dtype", default=None)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def served_request(llm, length: int, steps: int, vocab: int, rng) -> dict:
+    """One prompt of `length` tokens, `steps` tokens after it: TTFT and the median steady decode step."""
+    from jaxmodels import SamplingParams
+
+    prompt = rng.integers(3, vocab, size=length).tolist()
+    first = {}
+    start = time.perf_counter()
+    log = run_engine(llm.engine, [(0.0, prompt, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True,
+                                                                temperature=0.0))],
+                     on_token=lambda request, at: first.setdefault(request.request_id, at))
+    ttft = next(iter(first.values())) - start
+    steady = [log.wall[i] for i in range(1, len(log.launch))
+              if log.launch[i] == (StepKind.DECODE, 1) and log.launch[i - 1] == (StepKind.DECODE, 1)]
+    return dict(ttft_s=ttft, decode_ms=float(np.median(steady)) * 1e3)
+
+
+def fill_caches_randomly(runner) -> None:
+    """Random values in every cache pool, one array at a time (each old pool freed before the next is made)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(runner.caches)
+    runner.caches = None
+    key = jax.random.key(0)
+    for i, leaf in enumerate(leaves):
+        shape, dtype = leaf.shape, leaf.dtype
+        leaf.delete()
+        k = jax.random.fold_in(key, i)
+        if dtype == jnp.float32 and len(shape) == 2:  # per-key FP8 scales
+            leaves[i] = jax.random.uniform(k, shape, jnp.float32, 0.005, 0.02)
+        elif jnp.dtype(dtype).itemsize == 1:  # FP8 index keys
+            leaves[i] = (jax.random.normal(k, shape, jnp.bfloat16) * 64).astype(dtype)
+        else:
+            leaves[i] = jax.random.normal(k, shape, dtype)
+        leaves[i].block_until_ready()
+    runner.caches = jax.tree.unflatten(treedef, leaves)
+
+
+def decode_at_batch(llm, batch: int, context: int, steps: int) -> float:
+    """ms per step of the engine's decode executable for `batch` rows at `context` tokens each (see the docstring)."""
+    from jaxmodels.engine.scheduler import SlotTables
+
+    runner, sizes = llm.engine.runner, llm.engine.sizes
+    tables = SlotTables(sizes.num_slots, sizes.pages_per_seq)
+    pages = -(-(context + steps + 3) // sizes.page_size)
+    rows = [SimpleNamespace(slot=s, num_computed=context) for s in range(1, batch + 1)]
+    for row in rows:
+        tables.page_table[row.slot, :pages] = 1 + (row.slot - 1) * pages + np.arange(pages)
+        tables.prompt_len[row.slot] = context
+    tokens = None
+    for step in range(steps + 3):
+        if step == 3:  # after warm steps, time the rest back to back
+            runner.read(tokens)
+            start = time.perf_counter()
+        for row in rows:
+            row.num_computed += 1
+        tokens, _ = runner.launch(StepKind.DECODE, [rows], [tables])
+    runner.read(tokens)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import jax
+
+    import jaxmodels
+    from jaxmodels.nnx_params import model_params
+
+    with open(args.config) as f:
+        raw = cut_layers(json.load(f), args.layers)
+    longest = max(args.contexts)
+    max_seq_len = longest + args.decode_steps + 16
+    dsa = "index_topk" in raw
+    if args.dense:
+        if not dsa:
+            raise SystemExit("--dense is for DSA configs (index_topk)")
+        raw["index_topk"] = max_seq_len + 16  # past every row: each query selects its whole context
+    model = random_model(raw, args.dtype)
+    costs = model_costs(model.config, model_params(model), args.dtype, args.mamba_ssm_cache_dtype)
+    pages_per_seq = -(-max_seq_len // 16)
+    start = time.perf_counter()
+    llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, max_batch_size=args.batch, max_seq_len=max_seq_len,
+                        prefill_sizes=[args.prefill_chunk], decode_sizes=sorted({1, args.batch}),
+                        num_pages=1 + args.batch * pages_per_seq, progress=False,
+                        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+    del model
+    compile_s = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    variant = "dense (index_topk >= context)" if args.dense else ("sparse" if dsa else "")
+    print(f"{raw['model_type']} {variant} ({args.layers or 'all'} layers) on {jax.devices()[0].device_kind}; "
+          f"engine for {args.batch} x {max_seq_len} tokens, prefill chunks of {args.prefill_chunk}; compiled in "
+          f"{compile_s:.0f} s", flush=True)
+    rows = []
+    for context in args.contexts:
+        row = dict(context=context)
+        if not (args.dense and context > args.dense_prefill_max):
+            served = served_request(llm, context, args.decode_steps, raw["vocab_size"], rng)
+            row.update(ttft_s=served["ttft_s"], prefill_tok_s=context / served["ttft_s"],
+                       prefill_floor_s=prefill_floor_s(costs, context), decode_b1_ms=served["decode_ms"])
+        row["decode_b1_floor_ms"] = decode_floor_s(costs, 1, context) * 1e3
+        rows.append(row)
+        print(row, flush=True)
+    fill_caches_randomly(llm.engine.runner)  # after the served requests, which wrote real rows
+    for row in rows:
+        row["decode_bn_ms"] = decode_at_batch(llm, args.batch, row["context"], args.decode_steps)
+        row["decode_bn_floor_ms"] = decode_floor_s(costs, args.batch, row["context"]) * 1e3
+        print(row, flush=True)
+    print(f"\n### {raw['model_type']} {variant}: served prompt (B=1) and decode at B={args.batch}")
+    print(table(rows, [("context", "context", "d"), ("TTFT s", "ttft_s", ".2f"),
+                       ("prefill tok/s", "prefill_tok_s", ",.0f"), ("prefill floor s", "prefill_floor_s", ".2f"),
+                       ("decode B=1 ms", "decode_b1_ms", ".2f"), ("floor", "decode_b1_floor_ms", ".2f"),
+                       (f"decode B={args.batch} ms", "decode_bn_ms", ".2f"), ("floor", "decode_bn_floor_ms", ".2f")]))
+    stats = jax.devices()[0].memory_stats() or {}
+    print(f"peak device memory {stats.get('peak_bytes_in_use', 0) / 1e9:.1f} GB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=args.config, dense=args.dense, batch=args.batch, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
