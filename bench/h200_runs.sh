@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bench() { python3 -m jaxmodels bench --no-progress "$@"; }
+long() {  # bench/long_context.py on a config of bench/configs, log and json under $OUT
+  local config=$1; shift; local log="$OUT/long_${config}$(echo "$*" | tr -d ' -').log"
+  timeout "${LONG_TIMEOUT:-280}" python3 bench/long_context.py --config "bench/configs/$config.json" "$@" \
+    --json "${log%.log}.json" > "$log" 2>&1; echo "exit $?"; grep -A6 "^### " "$log"; grep "peak" "$log"; }
 for what in "$@"; do
   echo "=== $what $(date -u +%T)"
   case $what in
@@ -37,11 +41,9 @@ for what in "$@"; do
         --json "$OUT/deepseek.json" 2>&1 | tail -12 ;;
     long_tests) python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_large_pools.py \
         tests/engine/test_long_context.py 2>&1 | tail -15 ;;
-    long) for args in "nemotron_h_nano9b --batch 8" "deepseek_v32_4layer --batch 16" \
-          "deepseek_v32_4layer --batch 16 --dense"; do
-          set -- $args; config=$1; shift; log="$OUT/long_${config}$(echo "$*" | tr -d ' -').log"; echo "--- $config $*"
-          timeout 300 python3 bench/long_context.py --config "bench/configs/$config.json" "$@" \
-            --json "${log%.log}.json" > "$log" 2>&1; echo "exit $?"; grep -A6 "^### " "$log"; grep "peak" "$log"; done ;;
+    long_nano9b) long nemotron_h_nano9b --batch 8 ;;
+    long_dsa) long deepseek_v32_4layer --batch 16 ;;
+    long_dense) long deepseek_v32_4layer --batch 16 --dense ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
   esac
 done
