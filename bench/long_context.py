@@ -116,8 +116,9 @@ def main(argv=None) -> None:
 
     with open(args.config) as f:
         raw = cut_layers(json.load(f), args.layers)
-    longest = max(args.contexts)
-    max_seq_len = longest + args.decode_steps + 16
+    # A context of the model's whole length leaves room for the decode steps after it.
+    max_seq_len = min(max(args.contexts) + args.decode_steps + 16, raw.get("max_position_embeddings", 4096))
+    contexts = [min(context, max_seq_len - args.decode_steps - 16) for context in args.contexts]
     dsa = "index_topk" in raw
     if args.dense:
         if not dsa:
@@ -139,7 +140,7 @@ def main(argv=None) -> None:
           f"engine for {args.batch} x {max_seq_len} tokens, prefill chunks of {args.prefill_chunk}; compiled in "
           f"{compile_s:.0f} s", flush=True)
     rows = []
-    for context in args.contexts:
+    for context in contexts:
         row = dict(context=context)
         if not (args.dense and context > args.dense_prefill_max):
             served = served_request(llm, context, args.decode_steps, raw["vocab_size"], rng)

@@ -76,6 +76,19 @@ def reports_memory(devices=None) -> bool:
     return all("bytes_limit" in (device.memory_stats() or {}) for device in devices or jax.devices())
 
 
+# The Pallas (Triton) kernels address a pool with int32 element offsets: past 2^31 elements one of them (the DSA
+# indexer's FP8 key gather, tests/pallas_kernels/test_large_pools.py) reads wrong keys. Pools stay below.
+MAX_POOL_ELEMENTS = 2**31 - 1
+
+
+def addressable_pages(cache_shapes, sizes: PoolSizes) -> int:
+    """The most pages (null page included) every paged pool can have with at most MAX_POOL_ELEMENTS elements."""
+    one = jax.tree.leaves(cache_shapes(dataclasses.replace(sizes, num_pages=1)))
+    two = jax.tree.leaves(cache_shapes(dataclasses.replace(sizes, num_pages=2)))
+    per_page = [math.prod(a.shape) - math.prod(b.shape) for a, b in zip(two, one)]
+    return MAX_POOL_ELEMENTS // max(max(per_page), 1)
+
+
 def free_device_memory(devices=None) -> int:
     """Bytes the allocator can still hand out on the most used device (the one that runs out first)."""
     free = []

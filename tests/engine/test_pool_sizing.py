@@ -4,7 +4,7 @@ import pytest
 
 import jaxmodels
 from jaxmodels.engine import cache
-from jaxmodels.engine.cache import PoolSizes, pages_within, total_bytes
+from jaxmodels.engine.cache import MAX_POOL_ELEMENTS, PoolSizes, addressable_pages, pages_within, total_bytes
 from jaxmodels.engine.step import ModelStep
 from tests.hf_models import make_nemotron_h, save
 
@@ -47,3 +47,13 @@ def test_llm_sizes_pages_from_memory_fraction(checkpoint, monkeypatch):
     assert sizes.num_pages == expected > 1 + 4 * 4  # more than the limits alone would give
     out = llm.generate([[5, 6, 7]], jaxmodels.SamplingParams(max_new_tokens=3))
     assert len(out[0].token_ids) == 3
+
+
+def test_pools_stay_below_the_kernels_int32_addressing(checkpoint):
+    """A page of the tiny model's largest pool (K or V: 16 tokens x 2 KV heads x 12 dims) is 384 elements."""
+    model = jaxmodels.load_model(checkpoint, progress=False)
+    sizes = PoolSizes.from_limits(max_batch_size=4, max_seq_len=64)
+    assert addressable_pages(ModelStep(model).cache_shapes, sizes) == MAX_POOL_ELEMENTS // 384
+    with pytest.raises(ValueError, match="larger than the kernels address"):
+        jaxmodels.LLM(None, model=model, dtype="float32", max_batch_size=4, max_seq_len=64,
+                      num_pages=MAX_POOL_ELEMENTS // 384 + 1, warmup=False, progress=False)

@@ -3,7 +3,8 @@
 A long-context engine sizes its pools to the device memory, so one layer's KV, latent or index-key pool can hold more
 than 2^31 elements (4.3 GB of bf16 KV per layer already does), and an element offset computed in int32 would wrap.
 Each test writes a small problem at the very top of a pool just past that size, runs the kernel there, and
-compares with the same kernel on the small pool alone.
+compares with the same kernel on the small pool alone. Paged attention and sparse MLA pass; the indexer does not,
+which is why the engine caps its pools at 2^31 elements (tests/engine/test_pool_sizing.py).
 """
 
 import jax
@@ -70,6 +71,8 @@ def test_sparse_mla_attention_reads_rows_past_int32_offsets():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.xfail(strict=True, reason="the indexer's FP8 key gather wraps past 2^31 elements (H200, jax 0.11.2); "
+                   "the engine keeps every pool below (jaxmodels.engine.cache.MAX_POOL_ELEMENTS)")
 def test_indexer_reads_fp8_keys_past_int32_offsets():
     index_heads, dim, page_size, topk, T = 64, 128, 64, 2048, 4
     small_pages = 1 + 2 * 64  # two sequences of 64 pages (4096 keys) each
