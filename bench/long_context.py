@@ -11,9 +11,11 @@ of the longest context. Two measurements per context L:
     random values instead of B prefills (the executable and its shapes are the ones serving runs; its time does
     not depend on the cache values, and B prefills of 128k tokens would take minutes per point). Steps are sent
     back to back as the overlapped engine does; ms/step = their wall time / steps.
-`--dense` serves the DSA model with `index_topk` at the engine's whole row, so every query attends to its whole
-context (dense MLA): the comparison the sparse path must win. Its served prefill is skipped past
-`--dense-prefill-max` tokens (dense attention over a 128k prompt costs minutes). The floor beside each decode figure
+`--dense` serves the DSA model with `index_topk` past the context, so every query attends to its whole context
+(dense MLA): the comparison the sparse path must win. It builds one engine per context, its rows just as long (the
+selection is as wide as a row), with prefill chunks of at most 1024 tokens, and serves prompts only up to
+`--dense-prefill-max` tokens (the sparse kernels walk the whole selection, so a dense prefill costs minutes).
+The floor beside each decode figure
 is `jaxmodels.benchmark_floors.decode_floor_s`: weights, the cache a step must read, the states, at 4.25 TB/s.
 """
 
@@ -107,40 +109,26 @@ def decode_at_batch(llm, batch: int, context: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    import jax
-
+def build_engine(raw: dict, args, max_seq_len: int, prefill_chunk: int):
+    """(LLM on a random model of `raw` with pools for `--batch` requests of max_seq_len, its ModelCosts)."""
     import jaxmodels
     from jaxmodels.nnx_params import model_params
 
-    with open(args.config) as f:
-        raw = cut_layers(json.load(f), args.layers)
-    # A context of the model's whole length leaves room for the decode steps after it.
-    max_seq_len = min(max(args.contexts) + args.decode_steps + 16, raw.get("max_position_embeddings", 4096))
-    contexts = [min(context, max_seq_len - args.decode_steps - 16) for context in args.contexts]
-    dsa = "index_topk" in raw
-    if args.dense:
-        if not dsa:
-            raise SystemExit("--dense is for DSA configs (index_topk)")
-        raw["index_topk"] = max_seq_len + 16  # past every row: each query selects its whole context
     model = random_model(raw, args.dtype)
     costs = model_costs(model.config, model_params(model), args.dtype, args.mamba_ssm_cache_dtype)
-    pages_per_seq = -(-max_seq_len // 16)
     start = time.perf_counter()
     llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, max_batch_size=args.batch, max_seq_len=max_seq_len,
-                        prefill_sizes=[args.prefill_chunk], decode_sizes=sorted({1, args.batch}),
-                        num_pages=1 + args.batch * pages_per_seq, progress=False,
+                        prefill_sizes=[prefill_chunk], decode_sizes=sorted({1, args.batch}),
+                        num_pages=1 + args.batch * -(-max_seq_len // 16), progress=False,
                         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
-    del model
-    compile_s = time.perf_counter() - start
-    rng = np.random.default_rng(0)
-    variant = "dense (index_topk >= context)" if args.dense else ("sparse" if dsa else "")
-    print(f"{raw['model_type']} {variant} ({args.layers or 'all'} layers) on {jax.devices()[0].device_kind}; "
-          f"engine for {args.batch} x {max_seq_len} tokens, prefill chunks of {args.prefill_chunk}; compiled in "
-          f"{compile_s:.0f} s", flush=True)
-    # Decode at batch B first, over random caches; then the served prompts (the slower part, and for a dense model
-    # the one that may not finish), which write their own pages.
+    print(f"engine for {args.batch} x {max_seq_len} tokens, prefill chunks of {prefill_chunk}, compiled in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    return llm, costs
+
+
+def measure(llm, costs, contexts, args, vocab: int, rng, serve_up_to: int) -> list[dict]:
+    """Decode at batch B at each context, over random caches; then the served prompts up to `serve_up_to` tokens
+    (the slower part), which write their own pages."""
     fill_caches_randomly(llm.engine.runner)
     rows = []
     for context in contexts:
@@ -149,12 +137,43 @@ def main(argv=None) -> None:
                          decode_b1_floor_ms=decode_floor_s(costs, 1, context) * 1e3))
         print(rows[-1], flush=True)
     for row in rows:
-        context = row["context"]
-        if not (args.dense and context > args.dense_prefill_max):
-            served = served_request(llm, context, args.decode_steps, raw["vocab_size"], rng)
-            row.update(ttft_s=served["ttft_s"], prefill_tok_s=context / served["ttft_s"],
-                       prefill_floor_s=prefill_floor_s(costs, context), decode_b1_ms=served["decode_ms"])
-        print(row, flush=True)
+        if row["context"] <= serve_up_to:
+            served = served_request(llm, row["context"], args.decode_steps, vocab, rng)
+            row.update(ttft_s=served["ttft_s"], prefill_tok_s=row["context"] / served["ttft_s"],
+                       prefill_floor_s=prefill_floor_s(costs, row["context"]), decode_b1_ms=served["decode_ms"])
+            print(row, flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import jax
+
+    with open(args.config) as f:
+        raw = cut_layers(json.load(f), args.layers)
+    # A context of the model's whole length leaves room for the decode steps after it.
+    room = args.decode_steps + 16
+    max_seq_len = min(max(args.contexts) + room, raw.get("max_position_embeddings", 4096))
+    contexts = [min(context, max_seq_len - room) for context in args.contexts]
+    dsa = "index_topk" in raw
+    variant = "dense (index_topk >= context)" if args.dense else ("sparse" if dsa else "")
+    print(f"{raw['model_type']} {variant} ({args.layers or 'all'} layers) on {jax.devices()[0].device_kind}",
+          flush=True)
+    rng = np.random.default_rng(0)
+    if not args.dense:
+        llm, costs = build_engine(raw, args, max_seq_len, args.prefill_chunk)
+        rows = measure(llm, costs, contexts, args, raw["vocab_size"], rng, serve_up_to=max_seq_len)
+    else:
+        if not dsa:
+            raise SystemExit("--dense is for DSA configs (index_topk)")
+        # One engine per context, its rows just long enough: index_topk past them makes every query select its
+        # whole context, and the selection is as wide as the context, not as the longest one.
+        rows = []
+        for context in contexts:
+            llm, costs = build_engine({**raw, "index_topk": context + room + 16}, args, context + room,
+                                      min(args.prefill_chunk, 1024))
+            rows += measure(llm, costs, [context], args, raw["vocab_size"], rng, serve_up_to=args.dense_prefill_max)
+            del llm
     print(f"\n### {raw['model_type']} {variant}: served prompt (B=1) and decode at B={args.batch}")
     print(table(rows, [("context", "context", "d"), ("TTFT s", "ttft_s", ".2f"),
                        ("prefill tok/s", "prefill_tok_s", ",.0f"), ("prefill floor s", "prefill_floor_s", ".2f"),
