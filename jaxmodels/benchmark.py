@@ -1,6 +1,7 @@
 """The serving benchmark: our engine on random weights made on the device, at a real model's shapes.
 
     python -m jaxmodels bench --config bench/configs/nemotron_h_nano9b.json [--compare-transformers]
+    python -m jaxmodels bench --config bench/configs/deepseek_v32_4layer.json --phases prefill,decode --fp8-block
 
 Phases (`--phases`, all by default):
   * decode: for each concurrency B of `--batches`, B prompts of `--prompt-len` tokens submitted at once, then
@@ -12,6 +13,10 @@ Phases (`--phases`, all by default):
   * serve: `--serve` requests of `--serve-in` tokens in and `--serve-out` out, all at once and then with Poisson
     arrivals at `--arrival-rate` requests/s: output tok/s, TTFT and inter-token latency p50 / p99, host time per
     step.
+`--fp8-block` serves the same random model with block-scaled FP8 weights, as DeepSeek-V3.2 publishes its checkpoint
+(`FP8_BLOCK_QUANTIZATION`): the layers that format quantizes hold the dense random weights quantized on the device
+(e4m3, one float32 scale per 128 x 128 block); the floors count the bytes held, one per FP8 weight, and the FLOPs
+through FP8 weights at the FP8 rate (jaxmodels.benchmark_floors). The transformers comparator stays bf16.
 Peak device memory is reported at the end. `--compare-transformers` first runs transformers' `generate` on the same
 config (its own random weights) in a separate process (`jaxmodels.benchmark_transformers`), so the two never share
 GPU memory, at the sizes it can hold. `--profile DIR` traces a few decode steps at the largest batch and one
@@ -34,6 +39,11 @@ import numpy as np
 from jaxmodels.benchmark_floors import decode_floor_s, model_costs, prefill_floor_s
 from jaxmodels.step_context import StepKind
 
+# DeepSeek-V3.2's published quantization_config: e4m3 weights with one scale per 128 x 128 block, activations
+# quantized per token and 128 channels with power-of-two scales.
+FP8_BLOCK_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                          "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+
 
 def cut_layers(raw: dict, layers: int | None) -> dict:
     """The config with only its first `layers` layers (all when None); comment keys dropped."""
@@ -49,16 +59,18 @@ def cut_layers(raw: dict, layers: int | None) -> dict:
 
 def random_model(raw: dict, dtype: str, calibration_tokens: int = 512):
     """Our model for `raw` with random weights, initialised directly on the default device, its MoE routing
-    balanced (`balance_routing`)."""
+    balanced (`balance_routing`). With a block-scaled FP8 `quantization_config` in `raw`, the layers it quantizes
+    then hold their random weights in FP8 (routed on the dense weights' balance, which FP8 rounding barely moves)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from jaxmodels.families import load_config, model_class
+    from jaxmodels.quantization import with_fp8_weights
 
     config = load_config(raw)
     model = model_class(config)(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
     balance_routing(model, np.random.default_rng(1).integers(3, config.vocab_size, size=(1, calibration_tokens)))
-    return model
+    return with_fp8_weights(model, config, quantize=True)
 
 
 def balance_routing(model, calibration_ids) -> None:
@@ -302,6 +314,8 @@ def parse_args(argv, prog):
     parser.add_argument("--serve-out", type=int, default=1024)
     parser.add_argument("--arrival-rate", type=float, default=8.0, help="Poisson arrivals per second (0: skip)")
     parser.add_argument("--mamba-ssm-cache-dtype", default=None)
+    parser.add_argument("--fp8-block", action="store_true",
+                        help="serve the model with block-scaled FP8 weights (DeepSeek-V3.2's format)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel groups (each its own requests)")
     parser.add_argument("--tp", type=int, default=1, help="devices per group splitting attention heads")
     parser.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next")
@@ -340,7 +354,10 @@ def main(argv=None, prog: str | None = None) -> None:
     phases = set(args.phases.split(","))
     with open(args.config) as f:
         raw = cut_layers(json.load(f), args.layers)
-    results = {"config": args.config, "layers": args.layers or "all", "dtype": args.dtype}
+    if args.fp8_block:
+        raw["quantization_config"] = FP8_BLOCK_QUANTIZATION
+    weights = "fp8-block" if args.fp8_block else args.dtype
+    results = {"config": args.config, "layers": args.layers or "all", "dtype": args.dtype, "weights": weights}
     if args.compare_transformers:  # first: its process must be gone before JAX takes the GPU
         results["transformers"] = run_transformers(args.config, args)
 
@@ -363,7 +380,8 @@ def main(argv=None, prog: str | None = None) -> None:
     device = jax.devices()[0]
     print(f"\nmodel {raw['model_type']} ({args.layers or 'all'} layers, "
           f"{costs.dense_weight_bytes / 1e9 + costs.moe_layers * costs.num_experts * costs.expert_bytes / 1e9:.1f} GB "
-          f"of weights, {args.dtype}) on {device.device_kind}; buckets compiled in {results['compile_s']:.1f} s")
+          f"of {weights} weights, {args.dtype} activations) on {device.device_kind}; buckets compiled in "
+          f"{results['compile_s']:.1f} s")
 
     if "decode" in phases:
         results["decode"] = [decode_phase(llm, costs, b, args.prompt_len, args.decode_steps, vocab, rng)

@@ -4,14 +4,21 @@ Decode is memory-bound: per step, the weights read once (for MoE only the expert
 every request's KV / latent / index-key cache up to its length, and the Mamba states read and written once.
 Prefill is compute-bound: 2 FLOPs per active parameter per token, plus causal attention. Rates are the H200's
 measured ceilings (DESIGN.md): 4.25 TB/s device-to-device copy, 810 TFLOP/s dense bf16.
+
+An FP8 model (weights float8_e4m3fn with float32 scales) counts the bytes it holds: one per FP8 weight, four per
+scale. Its FP8 GEMMs' FLOPs go at twice the bf16 rate, the tensor cores' FP8 rate (1979 vs 989 TFLOP/s on the data
+sheet) applied to the measured bf16 ceiling.
 """
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 
 COPY_BANDWIDTH = 4.25e12  # bytes/s, read + written
 BF16_PEAK = 810e12  # FLOP/s
+FP8_PEAK = 2 * BF16_PEAK
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")  # FP8 scales: bytes to read, no FLOPs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +29,7 @@ class ModelCosts:
     num_experts: int
     experts_per_token: int
     active_params_per_token: float  # multiply-adds per token through the weights (k experts, not all)
+    fp8_params_per_token: float  # the share of those whose weights are FP8
     head_params: float  # the LM head's, which a prefill runs for its last token only
     cache_bytes_per_token: float  # KV / latent / index keys written once and read by every later step
     state_bytes_per_request: float  # Mamba SSM + conv state, read and written once per decode step
@@ -38,6 +46,7 @@ def model_costs(config, params: dict, dtype, ssm_dtype=None) -> ModelCosts:
     """Costs of a model from its config and its {dotted path: array} params."""
     itemsize = np.dtype(dtype).itemsize
     nbytes = {path: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for path, a in params.items()}
+    weights = {path: int(np.prod(a.shape)) for path, a in params.items() if not path.endswith(SCALE_SUFFIXES)}
     expert_paths = [p for p in params if ".experts." in p]
     embedding = sum(b for p, b in nbytes.items() if p.endswith("embedding"))
     expert_total = sum(nbytes[p] for p in expert_paths)
@@ -46,8 +55,17 @@ def model_costs(config, params: dict, dtype, ssm_dtype=None) -> ModelCosts:
     k = getattr(config, "num_experts_per_tok", 0) or 0
     moe_layers = len({p.split(".experts.")[0] for p in expert_paths})
     expert_bytes = expert_total / max(moe_layers * num_experts, 1)
-    active = (dense + moe_layers * k * expert_bytes) / itemsize
-    head = sum(nbytes[p] for p in params if p.startswith("lm_head.")) / itemsize
+
+    def active(paths) -> float:
+        """Weights of `paths` one token multiplies by: all but embeddings, of the routed experts k of each layer's."""
+        paths = [p for p in paths if not p.endswith("embedding")]
+        experts = sum(weights[p] for p in paths if ".experts." in p)
+        return sum(weights[p] for p in paths if ".experts." not in p) + k * experts / max(num_experts, 1)
+
+    fp8 = active([p for p in weights if params[p].dtype == ml_dtypes.float8_e4m3fn])
+    costs = dict(dense_weight_bytes=dense, expert_bytes=expert_bytes, moe_layers=moe_layers, num_experts=num_experts,
+                 experts_per_token=k, active_params_per_token=active(weights), fp8_params_per_token=fp8,
+                 head_params=sum(weights[p] for p in weights if p.startswith("lm_head.")))
     if config.model_type == "nemotron_h":
         kinds = config.layer_types
         ssm_itemsize = np.dtype(ssm_dtype or config.mamba_ssm_cache_dtype).itemsize
@@ -56,16 +74,16 @@ def model_costs(config, params: dict, dtype, ssm_dtype=None) -> ModelCosts:
             + config.conv_dim * (config.conv_kernel - 1) * itemsize)
         attn_layers = kinds.count("attention")
         cache = attn_layers * 2 * config.num_key_value_heads * config.head_dim * itemsize
-        return ModelCosts(dense, expert_bytes, moe_layers, num_experts, k, active, head, cache, state, "gqa",
-                          attn_layers,
-                          config.num_attention_heads, 2 * config.head_dim)
+        return ModelCosts(**costs, cache_bytes_per_token=cache, state_bytes_per_request=state, attention="gqa",
+                          attn_layers=attn_layers, heads=config.num_attention_heads, head_flops_dim=2 * config.head_dim)
     layers = config.num_hidden_layers
     row = config.kv_lora_rank + config.qk_rope_head_dim
     indexers = sum(t == "full" for t in config.layer_indexer_types)
     key_bytes = 1 + 4 if config.indexer_numerics != "exact" else itemsize
     cache = layers * row * itemsize + indexers * config.index_head_dim * key_bytes
-    return ModelCosts(dense, expert_bytes, moe_layers, num_experts, k, active, head, cache, 0.0, "dsa", layers,
-                      config.num_attention_heads, row + config.kv_lora_rank, index_topk=config.index_topk,
+    return ModelCosts(**costs, cache_bytes_per_token=cache, state_bytes_per_request=0.0, attention="dsa",
+                      attn_layers=layers, heads=config.num_attention_heads, head_flops_dim=row + config.kv_lora_rank,
+                      index_topk=config.index_topk,
                       indexer_flops_per_key=indexers * config.index_n_heads * config.index_head_dim,
                       dsa_rows_bytes=layers * row * itemsize)
 
@@ -106,4 +124,6 @@ def prefill_flops(costs: ModelCosts, tokens: int) -> float:
 
 
 def prefill_floor_s(costs: ModelCosts, tokens: int) -> float:
-    return prefill_flops(costs, tokens) / BF16_PEAK
+    """The prefill's FLOPs at the bf16 rate, those through FP8 weights (the LM head never is) at the FP8 rate."""
+    fp8 = 2 * costs.fp8_params_per_token * tokens
+    return (prefill_flops(costs, tokens) - fp8) / BF16_PEAK + fp8 / FP8_PEAK

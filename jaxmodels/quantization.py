@@ -13,8 +13,9 @@ paths); a checkpoint's own list (`Fp8Config.unquantized`, over its module names,
 prefix) adds to it.
 
 `with_fp8_weights` swaps the quantized layers of a freshly built (abstract) model for their FP8 forms, as
-transformers' `replace_with_fp8_linear` does for torch; the bridge then fills them by name. `dequantized` swaps them
-back into dense layers in the model dtype, the weights rounded once from w8 · scale.
+transformers' `replace_with_fp8_linear` does for torch; the bridge then fills them by name. With `quantize=True`
+the FP8 layers take the dense layers' weights quantized instead (block-scaled only): the benchmark's FP8 model.
+`dequantized` swaps them back into dense layers in the model dtype, the weights rounded once from w8 · scale.
 """
 
 import fnmatch
@@ -75,9 +76,9 @@ def _replace(model, path: tuple, new) -> None:
         setattr(parent, path[-1], new)
 
 
-def with_fp8_weights(model, config):
+def with_fp8_weights(model, config, *, quantize: bool = False):
     """`model` (just built, weights not loaded) with the layers `config.quantization` quantizes in FP8; unchanged
-    for an unquantized checkpoint."""
+    for an unquantized checkpoint. `quantize=True`: the FP8 layers hold the dense layers' weights, quantized."""
     fp8 = config.quantization
     if fp8 is None:
         return model
@@ -86,12 +87,19 @@ def with_fp8_weights(model, config):
             for name in module.projections():
                 stack = getattr(module, name)
                 num_experts, fan_in, fan_out = stack.shape
-                setattr(module, name, Fp8ExpertStack(num_experts, fan_in, fan_out, fp8=fp8, dtype=stack.dtype,
-                                                     axes=stack.get_metadata()["axes"]))
+                layer = Fp8ExpertStack(num_experts, fan_in, fan_out, fp8=fp8, dtype=stack.dtype,
+                                       axes=stack.get_metadata()["axes"])
+                if quantize:
+                    layer.set_quantized(stack[...])
+                setattr(module, name, layer)
         else:
-            _replace(model, path, Fp8Linear(module.in_features, module.out_features, fp8=fp8,
-                                            axes=module.kernel.get_metadata()["axes"], bias=module.use_bias,
-                                            dtype=module.dtype))
+            layer = Fp8Linear(module.in_features, module.out_features, fp8=fp8,
+                              axes=module.kernel.get_metadata()["axes"], bias=module.use_bias, dtype=module.dtype)
+            if quantize:
+                layer.set_quantized(module.kernel[...])
+                if module.use_bias:
+                    layer.bias.set_value(module.bias[...])
+            _replace(model, path, layer)
     return model
 
 

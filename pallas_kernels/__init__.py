@@ -12,4 +12,4 @@ from .grouped_matmul import grouped_matmul, grouped_matmul_reference  # noqa: E4
 from .paged_attention import paged_attention, paged_attention_reference  # noqa: E402,F401
 from .fp8_matmul import (  # noqa: E402,F401
     dequantize_weight, fp8_grouped_matmul, fp8_grouped_matmul_reference, fp8_matmul, fp8_matmul_reference,
-    quantize_activations)
+    quantize_activations, quantize_weight)

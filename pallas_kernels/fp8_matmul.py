@@ -20,31 +20,45 @@ numpy oracles. It can differ from a true quotient in the last bit, which moves a
 sum(group_sizes) come out as zeros. Scales: block-scaled [⌈N/bn⌉, ⌈K/bk⌉] (per expert for the grouped form);
 per-tensor a scalar (one per expert). Output dtype = x's.
 
-The XLA reference quantizes the activations as above, dequantizes both operands to float32 and takes one float32 dot
-at HIGHEST precision: the products and scales an FP8 tensor-core GEMM with float32 accumulation applies, summed in
-another order. It is the oracle a GPU kernel is tested against; the kernel goes behind these same functions
-(`impl`), as the other kernels of this package do. Until then every `impl` runs the reference, on the GPU too: for
-large models there, load with quantization="dequantize".
+The XLA reference (`impl="xla"`) quantizes the activations as above, dequantizes both operands to float32 and takes
+one float32 dot at HIGHEST precision: the products and scales an FP8 tensor-core GEMM with float32 accumulation
+applies, summed in another order. It is the oracle the GPU paths are tested against.
+
+GPU paths (`impl="auto"` there):
+  * block-scaled: activations quantized in XLA (memory-bound, fused), then the Pallas kernels of
+    `fp8_matmul_pallas` (`impl="pallas"`), which scale each 128-wide K block's e4m3 product as it accumulates.
+    A scale block whose width is no power of two >= 16 (no published checkpoint has one) falls back to the reference.
+  * per-tensor dense: `impl="xla_fp8"`, the quantized activations and the weight in one `lax.dot_general` of two
+    e4m3 operands contracting K of both (cuBLASLt's FP8 GEMM in its "TN" layout, no transpose), float32 out, times
+    input_scale · weight_scale. `impl="pallas"` runs the block kernel with the scales broadcast per block instead.
+  * per-tensor grouped: the block kernel with each expert's scales broadcast per block (`ragged_dot` takes e4m3
+    operands but is no fast path on the GPU).
+On CPU `auto` runs the reference, and `interpret=True` runs the Pallas kernels in interpret mode (as the tests do).
 """
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._dispatch import resolve_impl
+from .fp8_matmul_pallas import fp8_block_grouped_matmul, fp8_block_matmul, pallas_problem
+from .packing import count_at_or_below, prefix_sum
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 AMAX_FLOOR = 1e-4  # DeepSeek's act_quant clamps a group's amax here
-IMPLS = ("auto", "xla")  # the GPU kernel will add "pallas" (and take "auto" on the GPU)
-
-
-def _check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+IMPLS = ("auto", "pallas", "xla", "xla_fp8")  # xla_fp8: per-tensor fp8_matmul only
+# The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
+PER_TENSOR_BLOCK = (128, 128)
 
 
 def _repeat_to(scale: jax.Array, block: int, size: int, axis: int) -> jax.Array:
     """Block scales along `axis` expanded to one per element: [.., ⌈size/block⌉, ..] -> [.., size, ..]."""
     return lax.slice_in_dim(jnp.repeat(scale, block, axis=axis), 0, size, axis=axis)
+
+
+def _blocks(size: int, block: int) -> int:
+    return -(-size // block)
 
 
 def _pow2_at_or_above(x: jax.Array) -> jax.Array:
@@ -53,19 +67,24 @@ def _pow2_at_or_above(x: jax.Array) -> jax.Array:
     return jnp.ldexp(jnp.ones_like(x), jnp.where(mantissa == 0.5, exponent - 1, exponent))
 
 
+def _to_e4m3(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """e4m3(clip(x · (1 / scale), ±448)): x · (1/scale) may round a hair past 448, which the cast would turn into
+    NaN."""
+    return jnp.clip(x * jnp.reciprocal(scale), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
 def quantize_activations(x: jax.Array, group: int, *, pow2_scales: bool = False):
     """x[..., K] -> (float8_e4m3fn x8[..., K], float32 scales[..., ⌈K/group⌉]) with x ≈ x8 · scale, one scale per
     `group` consecutive channels of each row (a partial last group has its own)."""
     xf = x.astype(jnp.float32)
     k = x.shape[-1]
-    groups = -(-k // group)
+    groups = _blocks(k, group)
     padded = jnp.pad(xf, [(0, 0)] * (x.ndim - 1) + [(0, groups * group - k)])  # zeros leave every amax as it is
     grouped = padded.reshape(*x.shape[:-1], groups, group)
     scale = jnp.maximum(jnp.abs(grouped).max(-1), AMAX_FLOOR) * jnp.float32(1 / FP8_MAX)
     if pow2_scales:
         scale = _pow2_at_or_above(scale)
-    # amax · (1 / scale) may round a hair past 448, which the cast would turn into NaN.
-    x8 = jnp.clip(grouped * jnp.reciprocal(scale)[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    x8 = _to_e4m3(grouped, scale[..., None])
     return x8.reshape(*x.shape[:-1], groups * group)[..., :k], scale
 
 
@@ -75,9 +94,23 @@ def dequantize_activations(x8: jax.Array, scale: jax.Array, group: int) -> jax.A
 
 
 def quantize_static(x: jax.Array, input_scale: jax.Array) -> jax.Array:
-    """x quantized with a static per-tensor scale and dequantized again: float32 e4m3(clip(x / s, ±448)) · s."""
-    x8 = jnp.clip(x.astype(jnp.float32) * jnp.reciprocal(input_scale), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    return x8.astype(jnp.float32) * input_scale
+    """x in e4m3 with a static per-tensor scale (broadcastable to x): e4m3(clip(x / s, ±448))."""
+    return _to_e4m3(x.astype(jnp.float32), input_scale)
+
+
+def quantize_weight(w: jax.Array, block: tuple[int, int] | None):
+    """Dense w[..., N, K] -> (float8_e4m3fn w8, float32 scales) with w ≈ w8 · scale in `dequantize_weight`'s layout:
+    one scale = amax / 448 per block (1 for an all-zero block), or per trailing [N, K] matrix with `block` None. How
+    the published checkpoints were quantized; here it makes FP8 weights from dense ones (benchmarks, tests)."""
+    wf = w.astype(jnp.float32)
+    n, k = w.shape[-2:]
+    bn, bk = block or (n, k)
+    rows, cols = _blocks(n, bn), _blocks(k, bk)
+    padded = jnp.pad(wf, [(0, 0)] * (w.ndim - 2) + [(0, rows * bn - n), (0, cols * bk - k)])
+    amax = jnp.abs(padded.reshape(*w.shape[:-2], rows, bn, cols, bk)).max((-3, -1))
+    scale = jnp.where(amax > 0, amax * jnp.float32(1 / FP8_MAX), 1.0)
+    w8 = _to_e4m3(wf, _repeat_to(_repeat_to(scale, bn, n, axis=-2), bk, k, axis=-1))
+    return w8, (scale if block else scale[..., 0, 0])
 
 
 def dequantize_weight(w: jax.Array, w_scale: jax.Array, block: tuple[int, int] | None) -> jax.Array:
@@ -95,9 +128,16 @@ def _dequantized_input(x, block, input_scale, pow2_scales):
     """float32 activations as the GEMM sees them: quantized per token and column block, or with the static scale
     (`input_scale` broadcastable to x's rows)."""
     if block is None:
-        return quantize_static(x, input_scale)
+        return quantize_static(x, input_scale).astype(jnp.float32) * input_scale
     x8, scale = quantize_activations(x, block[1], pow2_scales=pow2_scales)
     return dequantize_activations(x8, scale, block[1])
+
+
+def _expert_of_row(group_sizes, rows: int) -> jax.Array:
+    """int32[rows]: the expert each row of a grouped matmul belongs to, the last expert for rows past the total
+    (their output is zero anyway). Loop-free (see packing), as it runs inside every engine step."""
+    ends = prefix_sum(group_sizes.astype(jnp.int32))
+    return jnp.minimum(count_at_or_below(ends, jnp.arange(rows, dtype=jnp.int32)), group_sizes.shape[0] - 1)
 
 
 def _check_scales(w, w_scale, block, input_scale, stacked: int):
@@ -110,10 +150,30 @@ def _check_scales(w, w_scale, block, input_scale, stacked: int):
                              f"{None if input_scale is None else tuple(input_scale.shape)}")
     else:
         n, k = w.shape[-2:]
-        expected = lead + (-(-n // block[0]), -(-k // block[1]))
+        expected = lead + (_blocks(n, block[0]), _blocks(k, block[1]))
     if tuple(w_scale.shape) != expected:
         raise ValueError(f"weight {tuple(w.shape)} with block {block} needs scales of shape {expected}, got "
                          f"{tuple(w_scale.shape)}")
+
+
+def _check_operands(x, w, impl, impls):
+    if impl not in impls:
+        raise ValueError(f"impl must be one of {impls}, got {impl!r}")
+    if x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"x has K={x.shape[-1]}, w {tuple(w.shape)} has K={w.shape[-1]}")
+
+
+def _kernel_operands(x, w_scale, block, input_scale_of_row, pow2_scales, N):
+    """(x8, x_scale[M, ⌈K/bk⌉], w_scale[..., ⌈N/bn⌉, ⌈K/bk⌉], block) in the block kernels' form. Per-tensor: x
+    quantized with each row's static scale, both scales broadcast over PER_TENSOR_BLOCK blocks."""
+    if block is not None:
+        x8, x_scale = quantize_activations(x, block[1], pow2_scales=pow2_scales)
+        return x8, x_scale, w_scale, block
+    (M, K), (bn, bk) = x.shape, PER_TENSOR_BLOCK
+    x8 = quantize_static(x, input_scale_of_row[:, None])
+    x_scale = jnp.broadcast_to(input_scale_of_row[:, None], (M, _blocks(K, bk)))
+    w_scale = jnp.broadcast_to(w_scale[..., None, None], w_scale.shape + (_blocks(N, bn), _blocks(K, bk)))
+    return x8, x_scale, w_scale, PER_TENSOR_BLOCK
 
 
 def fp8_matmul_reference(x, w, w_scale, *, block, input_scale=None, pow2_scales=False):
@@ -123,21 +183,45 @@ def fp8_matmul_reference(x, w, w_scale, *, block, input_scale=None, pow2_scales=
     return out.astype(x.dtype)
 
 
+def fp8_matmul_xla_fp8(x, w, w_scale, *, input_scale):
+    """Per-tensor FP8 in one XLA dot of e4m3 operands (w[N, K] contracted on K as it is stored), float32 out."""
+    x8 = quantize_static(x, input_scale)
+    out = lax.dot_general(x8, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (out * (input_scale * w_scale)).astype(x.dtype)
+
+
+def _matmul_impl(impl: str, block, interpret: bool) -> str:
+    """"xla", "xla_fp8" or "pallas" for fp8_matmul: `auto` on the GPU takes cuBLASLt's FP8 GEMM for per-tensor
+    weights and the Pallas kernel for block-scaled ones (unless the kernel cannot take the block: the reference)."""
+    if impl == "xla_fp8":
+        if block is not None:
+            raise ValueError("impl='xla_fp8' is the per-tensor (block=None) form's; block-scaled FP8 runs 'pallas'")
+        return impl
+    choice = resolve_impl(impl, interpret, block and pallas_problem(block), "fp8_matmul")
+    return "xla_fp8" if impl == "auto" and choice == "pallas" and block is None and not interpret else choice
+
+
 def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None, pow2_scales: bool = False,
-               impl: str = "auto"):
-    """x[M, K] @ FP8 w[N, K]ᵀ -> [M, N]. See the module docstring."""
-    _check_impl(impl)
-    if x.shape[-1] != w.shape[-1]:
-        raise ValueError(f"x has K={x.shape[-1]}, w {tuple(w.shape)} has K={w.shape[-1]}")
+               impl: str = "auto", interpret: bool = False, **kernel_options):
+    """x[M, K] @ FP8 w[N, K]ᵀ -> [M, N]. See the module docstring; `kernel_options` (block_m, block_n, num_warps,
+    num_stages) go to the Pallas kernel."""
+    _check_operands(x, w, impl, IMPLS)
     _check_scales(w, w_scale, block, input_scale, stacked=0)
-    return fp8_matmul_reference(x, w, w_scale, block=block, input_scale=input_scale, pow2_scales=pow2_scales)
+    which = _matmul_impl(impl, block, interpret)
+    if which == "xla":
+        return fp8_matmul_reference(x, w, w_scale, block=block, input_scale=input_scale, pow2_scales=pow2_scales)
+    if which == "xla_fp8":
+        return fp8_matmul_xla_fp8(x, w, w_scale, input_scale=input_scale)
+    row_scales = None if block else jnp.broadcast_to(input_scale, x.shape[:1])
+    x8, x_scale, w_scale, kernel_block = _kernel_operands(x, w_scale, block, row_scales, pow2_scales, w.shape[0])
+    return fp8_block_matmul(x8, x_scale, w, w_scale, block=kernel_block, out_dtype=x.dtype, interpret=interpret,
+                            **kernel_options)
 
 
 def fp8_grouped_matmul_reference(x, w, w_scale, group_sizes, *, block, input_scale=None, pow2_scales=False):
     sizes = group_sizes.astype(jnp.int32)
     if block is None:  # each row is quantized with its expert's input scale
-        expert_of_row = jnp.repeat(jnp.arange(w.shape[0]), sizes, total_repeat_length=x.shape[0])
-        input_scale = input_scale[expert_of_row][:, None]
+        input_scale = input_scale[_expert_of_row(sizes, x.shape[0])][:, None]
     xd = _dequantized_input(x, block, input_scale, pow2_scales)
     wd = dequantize_weight(w, w_scale, block)
     out = lax.ragged_dot(xd, wd.transpose(0, 2, 1), sizes, precision=lax.Precision.HIGHEST,
@@ -146,12 +230,15 @@ def fp8_grouped_matmul_reference(x, w, w_scale, group_sizes, *, block, input_sca
 
 
 def fp8_grouped_matmul(x, w, w_scale, group_sizes, *, block: tuple[int, int] | None, input_scale=None,
-                       pow2_scales: bool = False, impl: str = "auto"):
+                       pow2_scales: bool = False, impl: str = "auto", interpret: bool = False, **kernel_options):
     """Rows x[M, K] sorted by expert, expert g taking group_sizes[g] rows, each times its expert's FP8 w[g]ᵀ (w[E, N,
-    K]) -> [M, N]. See the module docstring."""
-    _check_impl(impl)
-    if x.shape[-1] != w.shape[-1]:
-        raise ValueError(f"x has K={x.shape[-1]}, w {tuple(w.shape)} has K={w.shape[-1]}")
+    K]) -> [M, N]. See the module docstring; `kernel_options` as for `fp8_matmul`."""
+    _check_operands(x, w, impl, IMPLS[:3])
     _check_scales(w, w_scale, block, input_scale, stacked=1)
-    return fp8_grouped_matmul_reference(x, w, w_scale, group_sizes, block=block, input_scale=input_scale,
-                                        pow2_scales=pow2_scales)
+    if resolve_impl(impl, interpret, block and pallas_problem(block), "fp8_grouped_matmul") == "xla":
+        return fp8_grouped_matmul_reference(x, w, w_scale, group_sizes, block=block, input_scale=input_scale,
+                                            pow2_scales=pow2_scales)
+    row_scales = None if block else input_scale[_expert_of_row(group_sizes, x.shape[0])]
+    x8, x_scale, w_scale, kernel_block = _kernel_operands(x, w_scale, block, row_scales, pow2_scales, w.shape[1])
+    return fp8_block_grouped_matmul(x8, x_scale, w, w_scale, group_sizes, block=kernel_block, out_dtype=x.dtype,
+                                    interpret=interpret, **kernel_options)

@@ -9,6 +9,7 @@ Scales declare the logical axes of the weight dimensions they cover, so they sha
 block-scaled weight also declares its `block`, so that sharding only cuts it between blocks (sharding.rules).
 """
 
+import functools
 import math
 
 import jax
@@ -50,10 +51,29 @@ class Fp8Weights(nnx.Module):
         dense = pallas_kernels.dequantize_weight(self.weight[...], scale, self.block)
         return jnp.swapaxes(dense, -1, -2).astype(self.dtype)
 
+    def set_quantized(self, dense: jax.Array) -> None:
+        """Hold `dense` (our dense layout [*lead, in, out]) quantized to this layer's block format: an FP8 model made
+        from a dense one (benchmarks on random weights). Per-tensor FP8 would need its input scales calibrated."""
+        if not self.block:
+            raise ValueError("only block-scaled FP8 weights are made from dense ones (per-tensor FP8 needs "
+                             "calibrated input scales)")
+        w8, scale = _quantized_matrices(dense, self.block)
+        self.weight.set_value(w8)
+        self.weight_scale_inv.set_value(scale)
+
     @property
     def held_in_features(self) -> int:
         """The input width this device holds (a slice under a data-parallel split)."""
         return self.weight.shape[-1]
+
+
+@functools.partial(jax.jit, static_argnames="block")
+def _quantized_matrices(dense: jax.Array, block: tuple[int, int]):
+    """(w8[*lead, out, in], scales) of dense [*lead, in, out], one matrix at a time: the float32 temporaries of a
+    whole expert stack would not fit beside the model."""
+    lead, (fan_in, fan_out) = dense.shape[:-2], dense.shape[-2:]
+    w8, scale = jax.lax.map(lambda m: pallas_kernels.quantize_weight(m.T, block), dense.reshape(-1, fan_in, fan_out))
+    return w8.reshape(*lead, *w8.shape[1:]), scale.reshape(*lead, *scale.shape[1:])
 
 
 class Fp8Linear(Fp8Weights):

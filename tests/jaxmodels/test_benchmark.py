@@ -3,7 +3,17 @@ transformers comparator included, and reports every phase."""
 
 import json
 
+import jax.numpy as jnp
+from flax import nnx
+
 from jaxmodels.__main__ import main
+from jaxmodels.benchmark import FP8_BLOCK_QUANTIZATION
+from jaxmodels.benchmark_floors import model_costs
+from jaxmodels.families import load_config, model_class
+from jaxmodels.layers.fp8_linear import Fp8ExpertStack, Fp8Linear
+from jaxmodels.nnx_params import model_params
+from jaxmodels.quantization import with_fp8_weights
+from tests.hf_models import TINY_CONFIGS
 
 TINY = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 256, "hidden_size": 64,
@@ -47,3 +57,41 @@ def test_profile_covers_only_the_measured_phases(tmp_path, capsys):
     assert json.loads(results.read_text())["decode"][0]["batch"] == 2
     assert "## profile: decode B=2" in out
     assert "## profile: prefill" not in out
+
+
+TINY_DSA = TINY_CONFIGS["deepseek_v32"]
+
+
+def test_fp8_block_model_holds_fp8_weights_and_its_floors_count_their_bytes():
+    """The benchmark's FP8 model: the layers DeepSeek-V3.2's checkpoint quantizes hold e4m3 weights with block
+    scales; one routed expert (three 20 x 48 projections, one 128 x 128 block each) takes one byte per weight plus
+    4 per scale, a quarter of its float32 bytes plus 12, and the model multiplies by as many weights per token."""
+    config = load_config(TINY_DSA)  # random_model's model, unbalanced: routing changes no cost
+    model = model_class(config)(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    dense_costs = model_costs(model.config, model_params(model), "float32")
+    # What random_model does with the quantization config.
+    fp8 = with_fp8_weights(model, load_config({**TINY_DSA, "quantization_config": FP8_BLOCK_QUANTIZATION}),
+                           quantize=True)
+    stacks = [m for _, m in nnx.iter_modules(fp8) if isinstance(m, Fp8ExpertStack)]
+    assert stacks and all(s.weight.dtype == jnp.float8_e4m3fn for s in stacks)
+    assert any(isinstance(m, Fp8Linear) for _, m in nnx.iter_modules(fp8))
+    fp8_costs = model_costs(fp8.config, model_params(fp8), "float32")
+    assert fp8_costs.expert_bytes == dense_costs.expert_bytes / 4 + 3 * 4
+    assert fp8_costs.dense_weight_bytes < dense_costs.dense_weight_bytes / 2
+    assert fp8_costs.active_params_per_token == dense_costs.active_params_per_token
+    assert 0 < fp8_costs.fp8_params_per_token < fp8_costs.active_params_per_token  # the LM head stays dense
+    assert dense_costs.fp8_params_per_token == 0
+
+
+def test_benchmark_serves_the_fp8_block_model(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_DSA))
+    results = tmp_path / "results.json"
+    main(["bench", "--config", str(config), "--phases", "prefill,decode", "--batches", "2", "--prompt-len", "8",
+          "--decode-steps", "4", "--prefill-len", "24", "--prefill-chunk", "16", "--dtype", "float32", "--fp8-block",
+          "--no-progress", "--json", str(results)])
+    out = capsys.readouterr().out
+    data = json.loads(results.read_text())
+    assert data["weights"] == "fp8-block"
+    assert data["decode"][0]["step_ms"] > 0 and data["prefill"]["floor_ms"] > 0
+    assert "fp8-block weights" in out

@@ -1,11 +1,20 @@
-"""FP8 GEMMs (XLA reference) against numpy written the way DeepSeek's reference kernel computes a block-scaled GEMM:
+"""FP8 GEMMs: the XLA reference against numpy written the way DeepSeek's reference kernel computes a block-scaled GEMM:
 per 128-column block, e4m3 activations times e4m3 weights, each partial product scaled by the activation's and the
 weight's scale, accumulated in float64 here. Per-tensor (ModelOpt) the same with one static scale each.
 
 The quantizers agree bit for bit (the same float32 products with reciprocals, the same round-to-nearest-even cast);
 the GEMMs then differ by float32 summation order only: 1e-6 relative (RMS) is ample, and a wrong block, scale or
 group shows at 1e-2 and beyond.
+
+The GPU paths (the Pallas kernels in interpret mode, the per-tensor XLA dot of e4m3 operands) are held to the reference
+element by element. Both sum the same terms t_k = x8_k·s_x · w8_k·s_w in float32, in different orders: the reference
+rounds the two dequantized operands and each product (3 roundings of 2^-24) and sums K terms; the kernel sums exact
+e4m3 products per K block, scales each block sum (2 roundings) and adds ⌈K/128⌉ of them. First order, each result
+is within (K + 3)·2^-24·Σ|t_k| of the exact sum, so the two are within twice that of each other. A wrong block, scale
+or row shows as an error of the order of the terms themselves.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +22,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import dequantize_weight, fp8_grouped_matmul, fp8_matmul, quantize_activations
+from pallas_kernels import _dispatch, dequantize_weight, fp8_grouped_matmul, fp8_matmul, quantize_activations
+from pallas_kernels.fp8_matmul import _dequantized_input, _matmul_impl, quantize_weight
 from tests.numerics import rms_relative_error
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -174,4 +184,199 @@ def test_scales_that_do_not_fit_the_weight_are_refused():
     with pytest.raises(ValueError, match="needs a static input_scale"):
         fp8_matmul(x, w8, jnp.float32(1), block=None)
     with pytest.raises(ValueError, match="impl must be one of"):
-        fp8_matmul(x, w8, jnp.ones((2, 3)), block=BLOCK, impl="pallas")
+        fp8_matmul(x, w8, jnp.ones((2, 3)), block=BLOCK, impl="triton")
+
+
+# ---- the GPU paths against the reference ---------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames="block")
+def operands_as_seen(x, w8, w_scale, block, input_scale=None):
+    """float32 (x, w) as the GEMM sees them: quantized and dequantized again. (Jitted, as every helper here that
+    runs many small ops: one compilation is faster than each op's own.)"""
+    return _dequantized_input(x, block, input_scale, False), dequantize_weight(w8, w_scale, block)
+
+
+def summation_bound(x, w8, w_scale, block, input_scale=None):
+    """2(K + 3)·2^-24·Σ_k |t_k| per output element (see the module docstring), from the operands as the GEMM sees
+    them."""
+    xd, wd = (np.abs(np.asarray(a, np.float64)) for a in operands_as_seen(x, w8, w_scale, block, input_scale))
+    return 2 * (x.shape[1] + 3) * 2.0 ** -24 * (xd @ wd.T)
+
+
+def grouped_summation_bound(x, w8, w_scale, block, input_scale, sizes):
+    """`summation_bound` of the routed rows, each group with its expert's weight and scales."""
+    bounds, start = [np.zeros((0, w8.shape[1]))], 0
+    for g, n in enumerate(np.asarray(sizes)):
+        if n:
+            bounds.append(summation_bound(x[start:start + n], w8[g], w_scale[g], block,
+                                          None if input_scale is None else input_scale[g]))
+        start += n
+    return np.concatenate(bounds)
+
+
+def assert_within_summation_bound(got, want, bound):
+    error = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    assert (error <= bound).all(), f"worst error {(error / bound).max():.2f}x the summation bound"
+
+
+@functools.partial(jax.jit, static_argnames=("block", "impl", "pow2", "options"))
+def dense(x, w8, w_scale, input_scale=None, *, block, impl, pow2=False, options=()):
+    """fp8_matmul jitted (kernels in interpret mode), so that cases of one shape share one compilation."""
+    return fp8_matmul(x, w8, w_scale, block=block, input_scale=input_scale, pow2_scales=pow2, impl=impl,
+                      interpret=True, **dict(options))
+
+
+@functools.partial(jax.jit, static_argnames=("block", "impl"))
+def grouped(x, w8, w_scale, sizes, input_scale=None, *, block, impl):
+    return fp8_grouped_matmul(x, w8, w_scale, sizes, block=block, input_scale=input_scale, impl=impl,
+                              interpret=True, block_m=16)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "block"))
+def random_weight(key, shape, block):
+    """FP8 weights quantized from normals scaled per row and per column by factors 1/8 .. 8: their block scales
+    differ by up to 64x."""
+    rows, cols = (2.0 ** jax.random.uniform(k, (n,), jnp.float32, -3, 3) for k, n in
+                  zip(jax.random.split(key), shape[-2:]))
+    return quantize_weight(jax.random.normal(key, shape) * rows[:, None] * cols, block)
+
+
+KERNEL_SHAPES = [  # M, K, N, tile options
+    (37, 256, 576, dict(block_m=16, block_n=64)),  # M past the last row tile; N = 4.5 scale blocks; 2 tiles per block
+    (20, 320, 192, dict(block_m=16, block_n=256)),  # a partial last K block; a column tile over two scale blocks
+    (5, 384, 130, dict()),  # default tiles; N two columns past a block
+]
+
+
+@pytest.mark.parametrize("M, K, N, options", KERNEL_SHAPES)
+def test_block_kernel_equals_the_reference(M, K, N, options):
+    keys = jax.random.split(jax.random.key(20 + M), 2)
+    x = jax.random.normal(keys[0], (M, K)) * jnp.array([1.0, 30.0, 0.01])[(jnp.arange(K) // 128) % 3]
+    w8, w_scale = random_weight(keys[1], (N, K), BLOCK)
+    got = dense(x, w8, w_scale, block=BLOCK, impl="pallas", options=tuple(options.items()))
+    want = dense(x, w8, w_scale, block=BLOCK, impl="xla")
+    assert got.shape == (M, N) and got.dtype == x.dtype
+    assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, BLOCK))
+
+
+def test_block_kernel_with_pow2_scales_and_bf16_activations():
+    """Output in bf16: both round the same float32 sums, which lie within the bound, so they differ by at most one
+    bf16 rounding step (2^-8 of the value) beyond it."""
+    keys = jax.random.split(jax.random.key(30), 2)
+    x = jax.random.normal(keys[0], (24, 256)).astype(jnp.bfloat16)
+    w8, w_scale = random_weight(keys[1], (128, 256), BLOCK)
+    got = dense(x, w8, w_scale, block=BLOCK, impl="pallas", pow2=True)
+    want = dense(x, w8, w_scale, block=BLOCK, impl="xla", pow2=True)
+    assert got.dtype == jnp.bfloat16
+    want64 = np.asarray(want, np.float64)
+    bound = summation_bound(x, w8, w_scale, BLOCK) + 2.0 ** -8 * np.abs(want64)
+    assert_within_summation_bound(got, want, bound)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla_fp8"])
+def test_per_tensor_gpu_paths_equal_the_reference(impl):
+    """xla_fp8 is one XLA dot of two e4m3 operands, which the CPU runs too."""
+    M, K, N = 21, 320, 192
+    keys = jax.random.split(jax.random.key(31), 2)
+    x = jax.random.normal(keys[0], (M, K)) * 3
+    w8, w_scale = random_weight(keys[1], (N, K), None)
+    input_scale = jnp.float32(0.005)  # ±2.24: the largest inputs saturate
+    got = dense(x, w8, w_scale, input_scale, block=None, impl=impl)
+    want = dense(x, w8, w_scale, input_scale, block=None, impl="xla")
+    assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, None, input_scale))
+
+
+GROUPED_SIZES = [
+    [7, 0, 20, 5],  # an empty expert, groups straddling 16-row tiles, 8 rows past the total
+    [0, 0, 0, 0],  # nothing routed: all zeros
+    [40, 0, 0, 0],  # one expert takes every row
+]
+
+
+@pytest.mark.parametrize("sizes", GROUPED_SIZES)
+@pytest.mark.parametrize("block", [BLOCK, None])
+def test_grouped_kernel_equals_the_reference(sizes, block):
+    E, M, K, N = 4, 40, 256, 192
+    keys = jax.random.split(jax.random.key(32), 2)
+    x = jax.random.normal(keys[0], (M, K))
+    w8, w_scale = random_weight(keys[1], (E, N, K), block)
+    input_scale = None if block else jnp.array([0.004, 0.008, 0.002, 0.01], jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    got = grouped(x, w8, w_scale, sizes, input_scale, block=block, impl="pallas")
+    want = grouped(x, w8, w_scale, sizes, input_scale, block=block, impl="xla")
+    total = int(sizes.sum())
+    assert_within_summation_bound(got[:total], want[:total],
+                                  grouped_summation_bound(x, w8, w_scale, block, input_scale, sizes))
+    assert not np.asarray(got[total:]).any()  # the kernel writes the rows past the total itself
+
+
+def test_weight_quantization_round_trips_within_half_an_e4m3_step():
+    w = jax.random.normal(jax.random.key(33), (2, 200, 300))
+    for block in [BLOCK, None]:
+        w8, scale = quantize_weight(w, block)
+        assert scale.shape == ((2, 2, 3) if block else (2,))
+        back = np.asarray(dequantize_weight(w8, scale, block), np.float64)
+        assert (np.abs(back - np.asarray(w)) <= 2.0 ** -4 * np.abs(np.asarray(w)) + 2.0 ** -10 * float(
+            np.asarray(scale).max())).all()
+    assert np.abs(np.asarray(quantize_weight(w, BLOCK)[0], np.float32)).max() == 448
+
+
+def test_auto_picks_the_gpu_paths_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    assert _matmul_impl("auto", BLOCK, interpret=False) == "pallas"
+    assert _matmul_impl("auto", None, interpret=False) == "xla_fp8"  # cuBLASLt's FP8 GEMM
+    assert _matmul_impl("auto", (128, 96), interpret=False) == "xla"  # a K step Triton cannot tile
+    with pytest.raises(ValueError, match="block\\[1\\]"):
+        _matmul_impl("pallas", (128, 96), interpret=False)
+    with pytest.raises(ValueError, match="per-tensor"):
+        _matmul_impl("xla_fp8", BLOCK, interpret=False)
+
+
+def test_auto_runs_the_reference_on_cpu(monkeypatch):
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: False)
+    assert _matmul_impl("auto", BLOCK, interpret=False) == "xla"
+    assert _matmul_impl("auto", None, interpret=False) == "xla"
+    assert _matmul_impl("auto", None, interpret=True) == "pallas"
+
+
+def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
+    """The Pallas-to-Triton lowering (run here without a GPU) takes e4m3 dots, the masked and partial edges and the
+    gathered column scales. That Triton then compiles them is the GPU test's and bench/fp8_kernels.py --check's."""
+    S, f8 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn
+    for M, K, N, options in [(4096, 7168, 18432, {}), (16, 7168, 576, {}), (300, 1536, 576, dict(block_n=256)),
+                             (7, 200, 130, {})]:
+        dense = jax.jit(lambda x, w, s: fp8_matmul(x, w, s, block=BLOCK, impl="pallas", **options))
+        cuda_lowering(dense, S((M, K), jnp.bfloat16), S((N, K), f8), S((-(-N // 128), -(-K // 128)), jnp.float32))
+    grouped = jax.jit(lambda x, w, s, g: fp8_grouped_matmul(x, w, s, g, block=BLOCK, impl="pallas"))
+    cuda_lowering(grouped, S((2048, 7168), jnp.bfloat16), S((256, 2048, 7168), f8), S((256, 16, 56), jnp.float32),
+                  S((256,), jnp.int32))
+    per_tensor = jax.jit(lambda x, w, s, i, g: fp8_grouped_matmul(x, w, s, g, block=None, input_scale=i,
+                                                                   impl="pallas"))
+    cuda_lowering(per_tensor, S((64, 2688), jnp.bfloat16), S((8, 1856, 2688), f8), S((8,), jnp.float32),
+                  S((8,), jnp.float32), S((8,), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [BLOCK, None])
+def test_compiled_kernels_on_gpu(block):
+    """The compiled kernels: Hopper's FP8 MMA accumulates each 128-term K block with fewer bits than float32 (about
+    14, DeepSeek-V3 report §3.3.2), so the kernel's sum is within about 2^-13·Σ|t| of the exact one, not (K + 3)·2^-24:
+    the bound here is twice that, 2^-12·Σ|t_k|, still far below a wrong block's error."""
+    M, K, N, E = 300, 1024, 576, 4
+    keys = jax.random.split(jax.random.key(34), 2)
+    x = jax.random.normal(keys[0], (M, K))
+    w8, w_scale = random_weight(keys[1], (E, N, K), block)
+    input_scale = None if block else jnp.array([0.004, 0.008, 0.002, 0.01], jnp.float32)
+    sizes = jnp.array([100, 0, 150, 30], jnp.int32)
+    options = dict(block=block, input_scale=input_scale)
+    got = jax.jit(lambda *a: fp8_grouped_matmul(*a, impl="pallas", **options))(x, w8, w_scale, sizes)
+    want = fp8_grouped_matmul(x, w8, w_scale, sizes, impl="xla", **options)
+    bound = grouped_summation_bound(x, w8, w_scale, block, input_scale, sizes)
+    assert_within_summation_bound(got[:280], want[:280], bound * 2.0 ** 11 / (K + 3))
+    assert not np.asarray(got[280:]).any()
+    if block:  # dense, and with a partial last K block (zero-filled e4m3 loads)
+        for k in [K, 200]:
+            operands = (x[:, :k], w8[0, :, :k], w_scale[0, :, :-(-k // 128)])
+            got = jax.jit(lambda *a: fp8_matmul(*a, block=BLOCK, impl="pallas"))(*operands)
+            want = fp8_matmul(*operands, block=BLOCK, impl="xla")
+            assert_within_summation_bound(got, want, summation_bound(*operands, BLOCK) * 2.0 ** 11 / (k + 3))

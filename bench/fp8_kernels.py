@@ -1,0 +1,292 @@
+"""FP8 GEMMs on the GPU: the block-scaled Pallas kernels and the per-tensor XLA FP8 dot against bf16 at the same
+shapes, with the XLA FP8 dot as the cuBLASLt ceiling.
+
+    PYTHONPATH=. python bench/fp8_kernels.py [--check] [--sweep] [--log FILE]
+    PYTHONPATH=. python bench/fp8_kernels.py --interpret --check --sweep     # CPU smoke run on tiny shapes
+
+Sections:
+  * check (--check): compiled kernels against the XLA reference (dequantize, one float32 HIGHEST dot), float32
+    outputs; max |error| / max |ref| must stay below 1e-3: Hopper's FP8 MMA keeps about 14 bits while it sums a
+    128-term K block (DeepSeek-V3 report §3.3.2), which leaves ~1e-4 here, and a wrong scale block errs by ~1e-1.
+    Exits non-zero on failure.
+  * dense: x[M, 7168] @ w[18432, 7168]ᵀ (DeepSeek's dense-MLP up projection) at M = 4096, 128, 16: bf16 `jnp.dot`
+    with w as [K, N] and with the checkpoint's [N, K] layout, the XLA dot of two e4m3 operands in cuBLASLt's TN
+    layout (no scales: the library's ceiling), the per-tensor `fp8_matmul` on it (impl xla_fp8: quantization and
+    scales included), and the block-scaled Pallas kernel with the activation quantization and without (kernel only).
+  * sweep (--sweep): tile options (block_m, block_n, num_warps, num_stages) of the block kernel at those shapes.
+  * grouped: DeepSeek's routed experts, E = 256, hidden 7168 <-> moe_intermediate 2048, top-8 of uniformly random
+    routing, 4096 and 256 tokens (x8 rows): the FP8 grouped kernel (with and without quantization) against our bf16
+    `grouped_matmul` on the same shapes.
+FLOP/s count 2·M·N·K; speed-ups are over the bf16 row of the same shape. Random operands are made on the device.
+Times: `kernel_report.timeit` (back-to-back calls, median of rounds), short rounds so that the whole run, compilation
+included, stays within 4 minutes on one H200. The last line is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dsa_kernels import routed_sizes
+from kernel_report import ROWS, open_log, say, section, timeit
+from pallas_kernels.fp8_matmul import (fp8_grouped_matmul, fp8_matmul, fp8_matmul_xla_fp8, quantize_activations,
+                                       quantize_weight)
+from pallas_kernels.fp8_matmul_pallas import default_tiles, fp8_block_grouped_matmul, fp8_block_matmul
+from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul_pallas
+
+BLOCK = (128, 128)
+CHECK_TOLERANCE = 1e-3  # max |error| / max |ref|, see the module docstring
+TN = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: x[M, K] · w[N, K]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    dense_rows: tuple[int, ...]
+    K: int
+    N: int
+    experts: int
+    hidden: int
+    intermediate: int
+    topk: int
+    tokens: tuple[int, ...]
+    checks: tuple  # dense (M, K, N, options) checked against the reference
+    grouped_check: tuple  # (E, M, K, N)
+    sweep: dict  # rows -> list of tile options
+
+
+def tile_options(*rows):
+    return [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s) for bm, bn, w, s in rows]
+
+
+# 12 + 6 + 6 options: compilation dominates, and the whole script must fit a few minutes of device time.
+SWEEP = {
+    4096: tile_options((128, 128, 8, 4), (128, 128, 8, 3), (128, 128, 4, 4), (128, 128, 8, 5), (128, 256, 8, 3),
+                       (128, 256, 8, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4), (256, 128, 8, 3),
+                       (64, 128, 4, 6), (128, 128, 4, 3)),
+    128: tile_options((128, 128, 8, 4), (64, 128, 4, 4), (64, 64, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4),
+                      (128, 64, 4, 4)),
+    16: tile_options((16, 64, 4, 4), (16, 128, 4, 4), (16, 32, 4, 4), (16, 64, 4, 6), (16, 64, 2, 4),
+                     (16, 128, 8, 3)),
+}
+FULL = Shapes(dense_rows=(4096, 128, 16), K=7168, N=18432, experts=256, hidden=7168, intermediate=2048, topk=8,
+              tokens=(4096, 256),
+              checks=((4096, 7168, 18432, {}), (1000, 7168, 576, {}), (300, 1536, 2048, dict(block_n=256)),
+                      (16, 512, 32768, {}), (64, 200, 256, {})),  # the last: a partial K block (e4m3 zero fill)
+              grouped_check=(16, 2000, 7168, 2048), sweep=SWEEP)
+# CPU smoke shapes (--interpret): every section runs, nothing it times means anything.
+TINY = Shapes(dense_rows=(40, 16), K=320, N=384, experts=4, hidden=256, intermediate=128, topk=2, tokens=(24, 4),
+              checks=((40, 320, 384, dict(block_m=16)), (20, 256, 576, dict(block_m=16, block_n=256))),
+              grouped_check=(4, 40, 256, 192),
+              sweep={40: tile_options((16, 64, 4, 2)), 16: tile_options((16, 128, 4, 2))})
+SHAPES = FULL
+INTERPRET = False
+FAILED_CHECKS: list[str] = []
+
+
+def random_activations(key, rows, cols):
+    return jax.random.normal(key, (rows, cols), jnp.float32).astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("shape",))
+def random_fp8_weight(key, shape):
+    """e4m3 weights [..., N, K] with their block scales, quantized on the device from normals of std K^-1/2."""
+    return quantize_weight(jax.random.normal(key, shape, jnp.float32) * shape[-1] ** -0.5, BLOCK)
+
+
+def time_row(label, f, *args, flops, baseline=None, target_s=0.15):
+    """Times f(*args), prints one row (ms, TFLOP/s, speed-up over `baseline`'s seconds) and returns the seconds."""
+    t = timeit(f, *args, target_s=target_s)
+    speedup = f"  x{baseline / t:5.2f} of bf16" if baseline else ""
+    say(f"  {label:<58} {t * 1e3:9.3f} ms {flops / t / 1e12:8.1f} TFLOP/s{speedup}")
+    return t
+
+
+def relative_max_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def report_check(label, error, extra_ok=True):
+    ok = error < CHECK_TOLERANCE and extra_ok
+    say(f"  check {label}: max err / max |ref| {error:.2e} {'ok' if ok else 'FAILED'}")
+    if not ok:
+        FAILED_CHECKS.append(label)
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+@section
+def check():
+    for M, K, N, options in SHAPES.checks:
+        keys = jax.random.split(jax.random.key(M + N), 2)
+        x = random_activations(keys[0], M, K).astype(jnp.float32)
+        w8, w_scale = random_fp8_weight(keys[1], (N, K))
+        got = jax.jit(lambda a, b, c: fp8_matmul(a, b, c, block=BLOCK, impl="pallas", interpret=INTERPRET,
+                                                 **options))(x, w8, w_scale)
+        want = jax.jit(lambda a, b, c: fp8_matmul(a, b, c, block=BLOCK, impl="xla"))(x, w8, w_scale)
+        report_check(f"block M={M} K={K} N={N} {options}", relative_max_error(got, want))
+        scale, input_scale = jnp.float32(0.01), jnp.float32(4 / 448)
+        got = jax.jit(lambda a, b: fp8_matmul(a, b, scale, block=None, input_scale=input_scale,
+                                              impl="xla_fp8"))(x, w8)
+        want = jax.jit(lambda a, b: fp8_matmul(a, b, scale, block=None, input_scale=input_scale, impl="xla"))(x, w8)
+        report_check(f"per-tensor xla_fp8 M={M} K={K} N={N}", relative_max_error(got, want))
+    E, M, K, N = SHAPES.grouped_check
+    keys = jax.random.split(jax.random.key(E), 3)
+    x = random_activations(keys[0], M, K).astype(jnp.float32)
+    w8, w_scale = random_fp8_weight(keys[1], (E, N, K))
+    sizes = jax.random.randint(keys[2], (E,), 0, 2 * M // (E + 2)).at[1].set(0).astype(jnp.int32)  # a tail too
+    total = int(sizes.sum())
+    per_tensor = dict(block=None, input_scale=jnp.linspace(2, 6, E) / 448)
+    for name, w_scales, options in [("block", w_scale, dict(block=BLOCK)),
+                                    ("per-tensor", w_scale[:, 0, 0], per_tensor)]:
+        got = jax.jit(lambda a, b, c, d: fp8_grouped_matmul(a, b, c, d, impl="pallas", interpret=INTERPRET,
+                                                            **options))(x, w8, w_scales, sizes)
+        want = jax.jit(lambda a, b, c, d: fp8_grouped_matmul(a, b, c, d, impl="xla", **options))(x, w8, w_scales,
+                                                                                                 sizes)
+        tail_zero = not np.asarray(got[total:]).any()
+        report_check(f"grouped {name} E={E} M={M} ({total} routed) K={K} N={N}, tail zero {tail_zero}",
+                     relative_max_error(got[:total], want[:total]), tail_zero)
+
+
+# ------------------------------------------------------------------------------------------------- dense
+
+def dense_operands(M):
+    K, N = SHAPES.K, SHAPES.N
+    keys = jax.random.split(jax.random.key(M), 2)
+    x = random_activations(keys[0], M, K)
+    w8, w_scale = random_fp8_weight(keys[1], (N, K))
+    return x, w8, w_scale
+
+
+@section
+def dense():
+    K, N = SHAPES.K, SHAPES.N
+    for M in SHAPES.dense_rows:
+        flops = 2 * M * K * N
+        say(f"\n  M={M} K={K} N={N}")
+        x, w8, w_scale = dense_operands(M)
+        w_nk = jax.random.normal(jax.random.key(1), (N, K), jnp.bfloat16)
+        w_kn = jax.block_until_ready(w_nk.T.copy())
+        bf16 = time_row(f"bf16 jnp.dot x @ w[K,N] M={M}", jax.jit(jnp.dot), x, w_kn, flops=flops)
+        time_row(f"bf16 dot_general w[N,K] M={M}", jax.jit(lambda a, b: lax.dot_general(a, b, TN)), x, w_nk,
+                 flops=flops, baseline=bf16)
+        del w_nk, w_kn
+        x8 = jnp.clip(x, -448, 448).astype(jnp.float8_e4m3fn)
+        for out in (jnp.float32, jnp.bfloat16):
+            time_row(f"XLA e4m3 dot_general TN -> {jnp.dtype(out).name} (cuBLASLt) M={M}",
+                     jax.jit(lambda a, b, out=out: lax.dot_general(a, b, TN, preferred_element_type=out)), x8, w8,
+                     flops=flops, baseline=bf16)
+        scale, input_scale = jnp.float32(0.01), jnp.float32(4 / 448)
+        time_row(f"fp8_matmul per-tensor xla_fp8 (quantize + scale) M={M}",
+                 jax.jit(lambda a, b: fp8_matmul_xla_fp8(a, b, scale, input_scale=input_scale)), x, w8,
+                 flops=flops, baseline=bf16)
+        time_row(f"fp8_matmul block pallas (quantize + kernel) M={M} {default_tiles(M)}",
+                 jax.jit(lambda a, b, c: fp8_matmul(a, b, c, block=BLOCK, impl="pallas", interpret=INTERPRET)),
+                 x, w8, w_scale, flops=flops, baseline=bf16)
+        x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
+        kernel = jax.jit(lambda a, s, b, c: fp8_block_matmul(a, s, b, c, block=BLOCK, out_dtype=jnp.bfloat16,
+                                                             interpret=INTERPRET))
+        t = time_row(f"fp8_block_matmul kernel only M={M}", kernel, x8, x_scale, w8, w_scale, flops=flops,
+                     baseline=bf16)
+        ROWS.append(f"dense M={M} K={K} N={N}: block FP8 kernel {flops / t / 1e12:.0f} TFLOP/s = "
+                    f"x{bf16 / t:.2f} bf16 jnp.dot ({flops / bf16 / 1e12:.0f} TFLOP/s)")
+
+
+@section
+def sweep():
+    K, N = SHAPES.K, SHAPES.N
+    for M, variants in SHAPES.sweep.items():
+        flops = 2 * M * K * N
+        x, w8, w_scale = dense_operands(M)
+        x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
+        say(f"\n  sweep M={M} K={K} N={N} (kernel only; default {default_tiles(M)})")
+        timings = []
+        for options in variants:
+            kernel = jax.jit(lambda a, s, b, c, o=options: fp8_block_matmul(
+                a, s, b, c, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET, **o))
+            try:
+                timings.append((time_row(f"{options}", kernel, x8, x_scale, w8, w_scale, flops=flops,
+                                         target_s=0.08), options))
+            except Exception as e:  # noqa: BLE001 (a tile Triton cannot compile: report it, keep sweeping)
+                say(f"  {options}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        if timings:
+            t, best = min(timings, key=lambda pair: pair[0])
+            ROWS.append(f"sweep M={M}: best {best} {t * 1e3:.3f} ms = {flops / t / 1e12:.0f} TFLOP/s")
+
+
+# ------------------------------------------------------------------------------------------------- grouped
+
+@section
+def grouped():
+    E, topk = SHAPES.experts, SHAPES.topk
+    for K, N, name in [(SHAPES.hidden, SHAPES.intermediate, "up/gate"), (SHAPES.intermediate, SHAPES.hidden, "down")]:
+        w8, w_scale = random_fp8_weight(jax.random.key(K), (E, N, K))
+        w_bf16 = jax.random.normal(jax.random.key(N), (E, K, N), jnp.bfloat16)
+        for tokens in SHAPES.tokens:
+            M = tokens * topk
+            flops = 2 * M * K * N
+            x = random_activations(jax.random.key(tokens), M, K)
+            sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
+            label = f"{name} E={E} K={K} N={N} tokens={tokens} (M={M})"
+            say(f"\n  {label}")
+            bf16 = time_row(f"bf16 grouped_matmul block_m={default_block_m(M, E)}",
+                            jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, interpret=INTERPRET)),
+                            x, w_bf16, sizes, flops=flops)
+            time_row(f"fp8_grouped_matmul block pallas (quantize + kernel) {default_tiles(M, E)}",
+                     jax.jit(lambda a, b, c, d: fp8_grouped_matmul(a, b, c, d, block=BLOCK, impl="pallas",
+                                                                   interpret=INTERPRET)),
+                     x, w8, w_scale, sizes, flops=flops, baseline=bf16)
+            x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
+            t = time_row("fp8_block_grouped_matmul kernel only",
+                         jax.jit(lambda a, s, b, c, d: fp8_block_grouped_matmul(
+                             a, s, b, c, d, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET)),
+                         x8, x_scale, w8, w_scale, sizes, flops=flops, baseline=bf16)
+            ROWS.append(f"grouped {label}: FP8 kernel {flops / t / 1e12:.0f} TFLOP/s = x{bf16 / t:.2f} bf16 "
+                        f"grouped_matmul ({flops / bf16 / 1e12:.0f} TFLOP/s)")
+        del w8, w_scale, w_bf16
+
+
+def main():
+    global SHAPES, INTERPRET
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="correctness of the compiled kernels first")
+    ap.add_argument("--sweep", action="store_true", help="time tile options of the block kernel")
+    ap.add_argument("--only", default="", help="comma list of sections: check,dense,sweep,grouped")
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke run: interpret mode, tiny shapes")
+    ap.add_argument("--log", default=None)
+    args = ap.parse_args()
+    INTERPRET = args.interpret
+    SHAPES = TINY if INTERPRET else FULL
+    open_log(args.log)
+    say(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        f"{', tiny shapes in interpret mode' if INTERPRET else ''}")
+    only = set(filter(None, args.only.split(",")))
+    want = lambda s: (not only or s in only)  # noqa: E731
+    if args.check and want("check"):
+        check()
+    if want("dense"):
+        dense()
+    if args.sweep and want("sweep"):
+        sweep()
+    if want("grouped"):
+        grouped()
+    say("\n=== summary")
+    for r in ROWS:
+        say(r)
+    for label in FAILED_CHECKS:
+        say(f"check FAILED: {label}")
+    headline = next((r for r in ROWS if r.startswith(f"dense M={SHAPES.dense_rows[0]}")), None)
+    say(f"headline: {headline or 'no dense timing'}")
+    return 1 if FAILED_CHECKS or any(r.endswith(": FAILED") for r in ROWS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

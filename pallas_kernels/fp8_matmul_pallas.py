@@ -1,0 +1,182 @@
+"""Pallas (Triton) kernels of the FP8 GEMMs; semantics, quantizers and dispatch in `fp8_matmul`.
+
+The kernels take operands already in e4m3: x8[M, K] with one float32 scale per row and K block (`x_scale[M, ⌈K/bk⌉]`,
+handed to the kernel transposed so that one K step reads BM consecutive scales), and w8[E, N, K] in the checkpoint's
+layout with `w_scale[E, ⌈N/bn⌉, ⌈K/bk⌉]`, `block` = (bn, bk). The per-tensor format runs on the same kernels with its
+scales broadcast to that shape (`fp8_matmul` does it).
+
+Each program owns a [BM, BN] output tile and walks K in steps of bk, the scale block: per step it loads x8[BM, bk] and
+w8[BN, bk], takes their e4m3 product with float32 accumulation (a dot contracting dim 1 of both: FP8 tensor cores
+want both operands K-major, which the [N, K] layout already is, so nothing is transposed in memory) and adds it into
+the float32 accumulator times the rows' x scales and the columns' w scales. The scales differ per K block, so they
+cannot wait until after the loop; and Hopper's FP8 MMA accumulates with fewer bits than float32, which this per-block
+"promotion" (DeepSeek-V3's recipe) confines to 128-term chains.
+
+A column tile that lies inside one scale block (BN divides bn) has one weight scale per step: it is folded into the
+BM row scales, so the accumulator update is one multiply-add per element. A wider tile (BN a multiple of bn) gathers
+each column's scale, one more multiply per element.
+
+Edges: rows past M and columns past N are loaded under masks and never stored (a dot row or column depends on its
+own operand row only, so what the masked lanes hold cannot leak). A partial last K block (K not a multiple of bk) is
+loaded with zeros past K in both operands, since those lanes do enter the sum.
+
+Dense: grid (N tiles, M tiles), the M tile fastest, so the programs running at once share few weight tiles and read
+the activations (the smaller operand) through L2. Grouped (MoE): the work items of `grouped_matmul.make_schedule`
+(expert, row tile, row range) on a grid (N tiles, items), each program storing only its item's rows; tail items
+store zeros, padding items nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._dispatch import first_problem, pow2_tile_problem
+from .grouped_matmul import default_block_m, make_schedule
+
+
+def default_tiles(rows: int, experts: int = 1) -> dict:
+    """Tile options for `rows` rows (over `experts` groups): starting points for Hopper FP8 until the H200 sweep
+    (bench/fp8_kernels.py --sweep) replaces them.
+
+    Prefill-sized tiles are 128 x 128 with 8 warps (two warpgroups, one 64-row wgmma each) and 4 stages of
+    (128 + 128) x 128 bytes, 128 KiB of the 227 KiB shared memory. Small batches read the weights once whatever the
+    row tile, so the row tile shrinks to the rows there are (Triton's dot takes 16 at least) and the column tile to
+    64: more programs than SMs even at N = 7168, and 4 warps suffice for 16-32-row tiles."""
+    block_m = default_block_m(rows, experts)
+    if block_m >= 64:
+        return dict(block_m=block_m, block_n=128, num_warps=8 if block_m == 128 else 4, num_stages=4)
+    return dict(block_m=block_m, block_n=64, num_warps=4, num_stages=4)
+
+
+def pallas_problem(block: tuple[int, int], block_m: int | None = None, block_n: int | None = None) -> str | None:
+    """Why the compiled kernel cannot take this scale block or these tiles (None when it can): the K step is the
+    scale block's width and, like the tiles, a Triton dot dimension."""
+    return first_problem(pow2_tile_problem("the K step (block[1])", block[1]),
+                         block_m and pow2_tile_problem("block_m", block_m),
+                         block_n and pow2_tile_problem("block_n", block_n))
+
+
+def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, block_m, block_n):
+    """float32 [BM, BN]: Σ over K blocks of (x8 · w8[e]ᵀ)[rows r0.., cols n0..] · x scale (per row) · w scale (per
+    column), the K blocks in order."""
+    bn, bk = block
+    rows, cols = r0 + jnp.arange(block_m), n0 + jnp.arange(block_n)
+    row_ok, col_ok = rows < M, cols < N
+    partial_k = K % bk != 0
+    one_scale_column = bn % block_n == 0
+
+    def step(kb, acc):
+        k0 = pl.multiple_of(kb * bk, bk)
+        x_mask, w_mask, fill = row_ok[:, None], col_ok[:, None], {}
+        if partial_k:
+            in_k = (k0 + jnp.arange(bk) < K)[None, :]
+            x_mask, w_mask, fill = x_mask & in_k, w_mask & in_k, dict(other=jnp.zeros((), x_ref.dtype))
+        xt = plgpu.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, bk)], mask=x_mask, **fill)
+        wt = plgpu.load(w_ref.at[e, pl.ds(n0, block_n), pl.ds(k0, bk)], mask=w_mask, **fill)
+        part = lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        x_scale = plgpu.load(xs_ref.at[kb, pl.ds(r0, block_m)], mask=row_ok, other=0.0)
+        if one_scale_column:
+            row_scale = x_scale * ws_ref[e, n0 // bn, kb]
+            return acc + part * row_scale[:, None]
+        w_scale = plgpu.load(ws_ref.at[e, cols // bn, kb], mask=col_ok, other=0.0)
+        return acc + part * x_scale[:, None] * w_scale[None, :]
+
+    return lax.fori_loop(0, pl.cdiv(K, bk), step, jnp.zeros((block_m, block_n), jnp.float32))
+
+
+def _dense_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, block, block_m, block_n):
+    n0, r0 = pl.program_id(0) * block_n, pl.program_id(1) * block_m
+    # The one expert's index as an array: interpret mode's load rule takes no Python int among array indices.
+    acc = _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, jnp.int32(0), r0, n0, M=M, N=N, K=K, block=block, block_m=block_m,
+                       block_n=block_n)
+    in_tile = ((r0 + jnp.arange(block_m)) < M)[:, None] & ((n0 + jnp.arange(block_n)) < N)[None, :]
+    plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype), mask=in_tile)
+
+
+def _grouped_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, E,
+                    block, block_m, block_n):
+    n0, item = pl.program_id(0) * block_n, pl.program_id(1)
+    e, r0 = expert_ref[item], tile_ref[item] * block_m
+    rows = r0 + jnp.arange(block_m)
+    in_item = ((rows >= start_ref[item]) & (rows < end_ref[item]))[:, None] & ((n0 + jnp.arange(block_n)) < N)[None, :]
+    out = o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)]
+
+    @pl.when((e >= 0) & (e < E))
+    def _product():
+        acc = _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, M=M, N=N, K=K, block=block, block_m=block_m,
+                           block_n=block_n)
+        plgpu.store(out, acc.astype(o_ref.dtype), mask=in_item)
+
+    @pl.when(e == E)
+    def _tail():
+        plgpu.store(out, jnp.zeros((block_m, block_n), o_ref.dtype), mask=in_item)
+
+
+def _checked_options(block, rows, experts, options, interpret):
+    """The tile options (defaults from `default_tiles`, overridden by `options`), checked for Triton."""
+    unknown = set(options) - {"block_m", "block_n", "num_warps", "num_stages"}
+    if unknown:
+        raise TypeError(f"unknown FP8 kernel options {sorted(unknown)}")
+    tiles = {**default_tiles(rows, experts), **{k: v for k, v in options.items() if v is not None}}
+    if not interpret and (problem := pallas_problem(block, tiles["block_m"], tiles["block_n"])):
+        raise ValueError(problem)
+    return tiles
+
+
+def _check_operands(x8, x_scale, w8, w_scale, block):
+    M, K = x8.shape
+    grid = (-(-w8.shape[1] // block[0]), -(-K // block[1]))
+    if x8.dtype != jnp.float8_e4m3fn or w8.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"operands must be float8_e4m3fn, got {x8.dtype} and {w8.dtype}")
+    if w8.shape[2] != K or x_scale.shape != (M, grid[1]) or w_scale.shape != (w8.shape[0], *grid):
+        raise ValueError(f"x8 {x8.shape}, x_scale {x_scale.shape}, w8 {w8.shape}, w_scale {w_scale.shape} do not fit "
+                         f"block {block}")
+
+
+def fp8_block_matmul(x8, x_scale, w8, w_scale, *, block: tuple[int, int], out_dtype, interpret: bool = False,
+                     **options):
+    """x8[M, K] @ w8[N, K]ᵀ with block scales (x_scale[M, ⌈K/bk⌉], w_scale[⌈N/bn⌉, ⌈K/bk⌉]) -> out_dtype[M, N].
+    `options`: block_m, block_n, num_warps, num_stages (None or absent: `default_tiles`)."""
+    _check_operands(x8, x_scale, w8[None], w_scale[None], block)
+    (M, K), N = x8.shape, w8.shape[0]
+    if M == 0:
+        return jnp.zeros((0, N), out_dtype)
+    tiles = _checked_options(block, M, 1, options, interpret)
+    block_m, block_n = tiles["block_m"], tiles["block_n"]
+    kernel = functools.partial(_dense_kernel, M=M, N=N, K=K, block=block, block_m=block_m, block_n=block_n)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(N, block_n), pl.cdiv(M, block_m)),
+        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]),
+        interpret=interpret,
+        name="fp8_block_matmul",
+    )(x8, x_scale.T, w8[None], w_scale[None])
+
+
+def fp8_block_grouped_matmul(x8, x_scale, w8, w_scale, group_sizes, *, block: tuple[int, int], out_dtype,
+                             interpret: bool = False, **options):
+    """Rows x8[M, K] sorted by expert (see `grouped_matmul`), row r times its expert's w8[g(r)]ᵀ (w8[E, N, K]) with
+    block scales (x_scale[M, ⌈K/bk⌉], w_scale[E, ⌈N/bn⌉, ⌈K/bk⌉]) -> out_dtype[M, N]; rows past sum(group_sizes) are
+    zeros."""
+    _check_operands(x8, x_scale, w8, w_scale, block)
+    (M, K), (E, N, _) = x8.shape, w8.shape
+    tiles = _checked_options(block, M, E, options, interpret)
+    block_m, block_n = tiles["block_m"], tiles["block_n"]
+    schedule = make_schedule(group_sizes, M, block_m)
+    kernel = functools.partial(_grouped_kernel, M=M, N=N, K=K, E=E, block=block, block_m=block_m, block_n=block_n)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(N, block_n), schedule[0].shape[0]),
+        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]),
+        interpret=interpret,
+        name="fp8_block_grouped_matmul",
+    )(*schedule, x8, x_scale.T, w8, w_scale)
+
