@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|fp8 ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -44,6 +44,8 @@ for what in "$@"; do
     long_nano9b) long nemotron_h_nano9b --batch 8 ;;
     long_dsa) long deepseek_v32_4layer --batch 16 ;;
     long_dense) long deepseek_v32_4layer --batch 16 --dense ;;
+    fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
+        --log "$OUT/fp8.log" 2>&1 | grep -v Warning | tail -40 ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
   esac
 done
