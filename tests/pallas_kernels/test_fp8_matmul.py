@@ -15,6 +15,7 @@ or row shows as an error of the order of the terms themselves.
 """
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,9 @@ import pytest
 from pallas_kernels import _dispatch, dequantize_weight, fp8_grouped_matmul, fp8_matmul, quantize_activations
 from pallas_kernels.fp8_matmul import _dequantized_input, _matmul_impl, quantize_weight
 from tests.numerics import rms_relative_error
+
+# The package re-exports the function under the module's name, so fetch the module itself.
+fp8_matmul_module = importlib.import_module("pallas_kernels.fp8_matmul")
 
 E4M3 = ml_dtypes.float8_e4m3fn
 BLOCK = (128, 128)
@@ -321,8 +325,17 @@ def test_weight_quantization_round_trips_within_half_an_e4m3_step():
     assert np.abs(np.asarray(quantize_weight(w, BLOCK)[0], np.float32)).max() == 448
 
 
+def test_auto_runs_the_reference_on_a_gpu_until_the_gpu_paths_are_verified(monkeypatch):
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(fp8_matmul_module, "GPU_PATHS_VERIFIED", False)
+    assert _matmul_impl("auto", BLOCK, interpret=False) == "xla"
+    assert _matmul_impl("auto", None, interpret=False) == "xla"
+    assert _matmul_impl("pallas", BLOCK, interpret=False) == "pallas"
+
+
 def test_auto_picks_the_gpu_paths_on_a_gpu(monkeypatch):
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(fp8_matmul_module, "GPU_PATHS_VERIFIED", True)
     assert _matmul_impl("auto", BLOCK, interpret=False) == "pallas"
     assert _matmul_impl("auto", None, interpret=False) == "xla_fp8"  # cuBLASLt's FP8 GEMM
     assert _matmul_impl("auto", (128, 96), interpret=False) == "xla"  # a K step Triton cannot tile
