@@ -48,7 +48,7 @@ def serve(args) -> None:
                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dp=args.dp, tp=args.tp,
                    max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup,
                    num_speculative_tokens=args.num_speculative_tokens,
-                   quantization=args.quantization)
+                   quantization=args.quantization, memory_fraction=args.memory_fraction)
     serve_forever(app, args.host, args.port)
 
 
@@ -92,6 +92,9 @@ def main(argv=None) -> None:
                      help="prompt + output tokens per request (default: 4096, or max_position_embeddings if smaller)")
     srv.add_argument("--quantization", choices=["dequantize"], default=None, help=QUANTIZATION_HELP)
     srv.add_argument("--max-prefill-tokens", type=int, default=None, help="tokens per prefill step")
+    srv.add_argument("--memory-fraction", type=float, default=None,
+                     help="size the KV pages to this fraction of the GPU memory left after the weights (default: the "
+                          "pages max-batch-size requests of max-seq-len take, within 90%% of it)")
     srv.add_argument("--dp", type=int, default=1)
     srv.add_argument("--tp", type=int, default=1)
     srv.add_argument("--num-speculative-tokens", type=int, default=0, help=SPECULATIVE_HELP)
