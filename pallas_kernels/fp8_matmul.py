@@ -36,6 +36,8 @@ GPU paths (what `impl="auto"` will take there once they pass on the H200, see GP
 On CPU `auto` runs the reference, and `interpret=True` runs the Pallas kernels in interpret mode (as the tests do).
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -50,8 +52,9 @@ AMAX_FLOOR = 1e-4  # DeepSeek's act_quant clamps a group's amax here
 IMPLS = ("auto", "pallas", "xla", "xla_fp8")  # xla_fp8: per-tensor fp8_matmul only
 # Whether `auto` takes the GPU paths on a GPU. Not yet: on the H200 they have not passed `bench/fp8_kernels.py --check`
 # against the reference since it keeps the activations' e4m3 rounding (`_to_e4m3`); until then `auto` runs the
-# reference there too, and impl="pallas" / "xla_fp8" ask for the GPU paths explicitly.
-GPU_PATHS_VERIFIED = False
+# reference there too, and impl="pallas" / "xla_fp8" ask for the GPU paths explicitly (JAXMODELS_FP8_GPU_PATHS=1 makes
+# `auto` take them, to measure the engine with them: bench/h200_runs.sh fp8_engine).
+GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS") == "1"
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
 PER_TENSOR_BLOCK = (128, 128)
 
