@@ -109,8 +109,9 @@ def decode_at_batch(llm, batch: int, context: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def build_engine(raw: dict, args, max_seq_len: int, prefill_chunk: int):
-    """(LLM on a random model of `raw` with pools for `--batch` requests of max_seq_len, its ModelCosts)."""
+def build_engine(raw: dict, args, max_seq_len: int, prefill_chunk: int, warmup: bool = True):
+    """(LLM on a random model of `raw` with pools for `--batch` requests of max_seq_len, its ModelCosts); without
+    `warmup` each executable compiles when first used (timed steps start after warm steps, so that stays out)."""
     import jaxmodels
     from jaxmodels.nnx_params import model_params
 
@@ -119,7 +120,7 @@ def build_engine(raw: dict, args, max_seq_len: int, prefill_chunk: int):
     start = time.perf_counter()
     llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, max_batch_size=args.batch, max_seq_len=max_seq_len,
                         prefill_sizes=[prefill_chunk], decode_sizes=sorted({1, args.batch}),
-                        num_pages=1 + args.batch * -(-max_seq_len // 16), progress=False,
+                        num_pages=1 + args.batch * -(-max_seq_len // 16), progress=False, warmup=warmup,
                         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     print(f"engine for {args.batch} x {max_seq_len} tokens, prefill chunks of {prefill_chunk}, compiled in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
@@ -170,8 +171,10 @@ def main(argv=None) -> None:
         # whole context, and the selection is as wide as the context, not as the longest one.
         rows = []
         for context in contexts:
+            # Compiled on first use: the extend executable, whose selection is as wide as the row (143 s to compile
+            # at 32k on the H200), is only needed when a prompt is served.
             llm, costs = build_engine({**raw, "index_topk": context + room + 16}, args, context + room,
-                                      min(args.prefill_chunk, 1024))
+                                      min(args.prefill_chunk, 1024), warmup=False)
             rows += measure(llm, costs, [context], args, raw["vocab_size"], rng, serve_up_to=args.dense_prefill_max)
             del llm
     print(f"\n### {raw['model_type']} {variant}: served prompt (B=1) and decode at B={args.batch}")
