@@ -71,9 +71,14 @@ def pages_within(budget_bytes: int, cache_shapes, sizes: PoolSizes) -> int:
     return int(pages)
 
 
+def _addressable(devices):
+    """This process's devices among `devices` (all of its own by default): only those report their memory."""
+    return [d for d in devices if d.process_index == jax.process_index()] if devices else jax.local_devices()
+
+
 def reports_memory(devices=None) -> bool:
-    """Whether the devices tell how much memory they have (GPUs do, CPUs do not)."""
-    return all("bytes_limit" in (device.memory_stats() or {}) for device in devices or jax.devices())
+    """Whether this process's devices tell how much memory they have (GPUs do, CPUs do not)."""
+    return all("bytes_limit" in (device.memory_stats() or {}) for device in _addressable(devices))
 
 
 # The Pallas (Triton) kernels address a pool with int32 element offsets: past 2^31 elements one of them (the DSA
@@ -92,7 +97,7 @@ def addressable_pages(cache_shapes, sizes: PoolSizes) -> int:
 def free_device_memory(devices=None) -> int:
     """Bytes the allocator can still hand out on the most used device (the one that runs out first)."""
     free = []
-    for device in devices or jax.devices():
+    for device in _addressable(devices):
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:
             raise ValueError(f"{device.platform} devices do not report their memory: memory_fraction needs a GPU; "

@@ -17,6 +17,8 @@ import logging
 import random
 import time
 
+import jax
+
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
 from jaxmodels.engine.cache import (MAX_POOL_ELEMENTS, PoolSizes, addressable_pages, free_device_memory, pages_within,
                                     reports_memory)
@@ -121,7 +123,10 @@ class Engine:
         self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len,
                                            page_size=page_size, num_pages=num_pages)
         devices = list(mesh.devices.flat) if mesh is not None else None
-        if num_pages is None and (memory_fraction is not None or reports_memory(devices)):
+        # Without a memory fraction, pools are capped by memory only in a one-process job: the processes of a
+        # multi-process one may see different free memory, and their pools must have the same shapes.
+        capped = jax.process_count() == 1 and reports_memory(devices)
+        if num_pages is None and (memory_fraction is not None or capped):
             self.sizes = self._pages_for_memory(step, memory_fraction, devices, group_batch, row_len, page_size)
         addressable = addressable_pages(step.cache_shapes, self.sizes)
         if self.sizes.num_pages > addressable:
