@@ -81,8 +81,9 @@ def reports_memory(devices=None) -> bool:
     return all("bytes_limit" in (device.memory_stats() or {}) for device in _addressable(devices))
 
 
-# The Pallas (Triton) kernels address a pool with int32 element offsets: past 2^31 elements one of them (the DSA
-# indexer's FP8 key gather, tests/pallas_kernels/test_large_pools.py) reads wrong keys. Pools stay below.
+# Past 2^31 elements in a pool one kernel goes wrong on the H200: the DSA indexer with FP8 keys selects other keys
+# than on the same problem in a small pool (tests/pallas_kernels/test_large_pools.py; int32 element offsets are the
+# suspect, paged attention and sparse MLA pass). Pools stay below.
 MAX_POOL_ELEMENTS = 2**31 - 1
 
 

@@ -30,7 +30,7 @@ def at_top(small: jax.Array, big_pages: int) -> jax.Array:
     return big.at[big_pages - small.shape[0]:].set(small)
 
 
-def test_paged_attention_reads_pages_past_int32_offsets():
+def test_paged_attention_reads_pages_past_2_31_elements():
     heads, kv_heads, head_dim, page_size = 40, 8, 128, 16
     lengths = [300, 1]  # a chunk of 300 tokens of one sequence and a decode token of another, both at 1000+
     contexts = [1300, 2049]
@@ -54,7 +54,7 @@ def test_paged_attention_reads_pages_past_int32_offsets():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def test_sparse_mla_attention_reads_rows_past_int32_offsets():
+def test_sparse_mla_attention_reads_rows_past_2_31_elements():
     heads, dl, dr, page_size, topk, T = 128, 512, 64, 64, 2048, 8
     small_pages = 80
     key = jax.random.key(1)
@@ -71,9 +71,9 @@ def test_sparse_mla_attention_reads_rows_past_int32_offsets():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="the indexer's FP8 key gather wraps past 2^31 elements (H200, jax 0.11.2); "
-                   "the engine keeps every pool below (jaxmodels.engine.cache.MAX_POOL_ELEMENTS)")
-def test_indexer_reads_fp8_keys_past_int32_offsets():
+@pytest.mark.xfail(strict=True, reason="the indexer with FP8 keys selects other keys past 2^31 elements (H200, "
+                   "jax 0.11.2); the engine keeps every pool below (jaxmodels.engine.cache.MAX_POOL_ELEMENTS)")
+def test_indexer_reads_fp8_keys_past_2_31_elements():
     index_heads, dim, page_size, topk, T = 64, 128, 64, 2048, 4
     small_pages = 1 + 2 * 64  # two sequences of 64 pages (4096 keys) each
     key = jax.random.key(2)
