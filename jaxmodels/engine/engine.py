@@ -64,7 +64,8 @@ class StepTimes:
 
 class Engine:
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int | None = None,
-                 max_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None, warmup: bool = True, progress: bool = True,
+                 max_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None,
+                 warmup: bool = True, progress: bool = True,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None, mesh=None,
                  memory_fraction: float | None = None, overlap: bool = True, mamba_ssm_cache_dtype=None,
                  matmul_precision: str | None = None, num_speculative_tokens: int = 0):
