@@ -81,18 +81,22 @@ def reports_memory(devices=None) -> bool:
     return all("bytes_limit" in (device.memory_stats() or {}) for device in _addressable(devices))
 
 
-# Past 2^31 elements in a pool one kernel goes wrong on the H200: the DSA indexer with FP8 keys selects other keys
-# than on the same problem in a small pool (tests/pallas_kernels/test_large_pools.py; int32 element offsets are the
-# suspect, paged attention and sparse MLA pass). Pools stay below.
-MAX_POOL_ELEMENTS = 2**31 - 1
+# Pallas' Triton lowering computes a ref's element offsets in 32-bit integers unless the array is larger than 2^32
+# bytes (jax/_src/pallas/triton/lowering.py, `_compute_offsets_from_indices`): a pool of 1-byte elements (the DSA
+# indexer's FP8 keys) between 2^31 and 2^32 elements is addressed with offsets that overflow, and on the H200 the
+# indexer then selects other keys (tests/pallas_kernels/test_large_pools.py). Pools of 2-byte or wider elements pass
+# 2^32 bytes, and switch to 64-bit offsets, before their offsets reach 2^31. So 1-byte pools stay below 2^31 elements.
+MAX_BYTE_POOL_ELEMENTS = 2**31 - 1
 
 
-def addressable_pages(cache_shapes, sizes: PoolSizes) -> int:
-    """The most pages (null page included) every paged pool can have with at most MAX_POOL_ELEMENTS elements."""
+def addressable_pages(cache_shapes, sizes: PoolSizes) -> int | None:
+    """The most pages (null page included) every paged pool of 1-byte elements can have with at most
+    MAX_BYTE_POOL_ELEMENTS elements; None when there is no such pool."""
     one = jax.tree.leaves(cache_shapes(dataclasses.replace(sizes, num_pages=1)))
     two = jax.tree.leaves(cache_shapes(dataclasses.replace(sizes, num_pages=2)))
-    per_page = [math.prod(a.shape) - math.prod(b.shape) for a, b in zip(two, one)]
-    return MAX_POOL_ELEMENTS // max(max(per_page), 1)
+    per_page = [math.prod(b.shape) - math.prod(a.shape) for a, b in zip(one, two)
+                if jnp.dtype(b.dtype).itemsize == 1]
+    return MAX_BYTE_POOL_ELEMENTS // max(per_page) if any(per_page) else None
 
 
 def free_device_memory(devices=None) -> int:

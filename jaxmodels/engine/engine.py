@@ -20,8 +20,8 @@ import time
 import jax
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
-from jaxmodels.engine.cache import (MAX_POOL_ELEMENTS, PoolSizes, addressable_pages, free_device_memory, pages_within,
-                                    reports_memory)
+from jaxmodels.engine.cache import (MAX_BYTE_POOL_ELEMENTS, PoolSizes, addressable_pages, free_device_memory,
+                                    pages_within, reports_memory)
 from jaxmodels.engine.request import Request, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import GroupedScheduler
@@ -130,12 +130,12 @@ class Engine:
         if num_pages is None and (memory_fraction is not None or capped):
             self.sizes = self._pages_for_memory(step, memory_fraction, devices, group_batch, row_len, page_size)
         addressable = addressable_pages(step.cache_shapes, self.sizes)
-        if self.sizes.num_pages > addressable:
+        if addressable is not None and self.sizes.num_pages > addressable:
             if num_pages is not None:
-                raise ValueError(f"num_pages={num_pages} makes a cache pool larger than the kernels address "
-                                 f"({MAX_POOL_ELEMENTS} elements): at most {addressable}")
-            log.warning("%d KV pages would make a cache pool larger than the kernels address (%d elements): %d "
-                        "pages", self.sizes.num_pages, MAX_POOL_ELEMENTS, addressable)
+                raise ValueError(f"num_pages={num_pages} makes a pool of 1-byte elements larger than the kernels "
+                                 f"address ({MAX_BYTE_POOL_ELEMENTS} elements): at most {addressable}")
+            log.warning("%d KV pages would make a pool of 1-byte elements larger than the kernels address (%d "
+                        "elements): %d pages", self.sizes.num_pages, MAX_BYTE_POOL_ELEMENTS, addressable)
             self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len, page_size=page_size,
                                                num_pages=addressable)
         log.info("engine limits: max_batch_size=%d max_seq_len=%d max_prefill_tokens=%d; pools of each of %d dp "

@@ -3,8 +3,9 @@
 A long-context engine sizes its pools to the device memory, so one layer's KV, latent or index-key pool can hold more
 than 2^31 elements (4.3 GB of bf16 KV per layer already does), and an element offset computed in int32 would wrap.
 Each test writes a small problem at the very top of a pool just past that size, runs the kernel there, and
-compares with the same kernel on the small pool alone. Paged attention and sparse MLA pass; the indexer does not,
-which is why the engine caps its pools at 2^31 elements (tests/engine/test_pool_sizing.py).
+compares with the same kernel on the small pool alone. Paged attention and sparse MLA (bf16 pools) pass; the
+indexer with FP8 keys does not, which is why the engine caps its 1-byte pools at 2^31 elements
+(tests/engine/test_pool_sizing.py).
 """
 
 import jax
@@ -71,8 +72,8 @@ def test_sparse_mla_attention_reads_rows_past_2_31_elements():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="the indexer with FP8 keys selects other keys past 2^31 elements (H200, "
-                   "jax 0.11.2); the engine keeps every pool below (jaxmodels.engine.cache.MAX_POOL_ELEMENTS)")
+@pytest.mark.xfail(strict=True, reason="Pallas' Triton lowering addresses a 1-byte array under 2^32 bytes with 32-bit "
+                   "offsets, which overflow past 2^31 (see jaxmodels.engine.cache.MAX_BYTE_POOL_ELEMENTS, the cap)")
 def test_indexer_reads_fp8_keys_past_2_31_elements():
     index_heads, dim, page_size, topk, T = 64, 128, 64, 2048, 4
     small_pages = 1 + 2 * 64  # two sequences of 64 pages (4096 keys) each
