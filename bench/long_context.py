@@ -59,9 +59,7 @@ def served_request(llm, length: int, steps: int, vocab: int, rng) -> dict:
                                                                 temperature=0.0))],
                      on_token=lambda request, at: first.setdefault(request.request_id, at))
     ttft = next(iter(first.values())) - start
-    steady = [log.wall[i] for i in range(1, len(log.launch))
-              if log.launch[i] == (StepKind.DECODE, 1) and log.launch[i - 1] == (StepKind.DECODE, 1)]
-    return dict(ttft_s=ttft, decode_ms=float(np.median(steady)) * 1e3)
+    return dict(ttft_s=ttft, decode_ms=float(np.median([log.wall[i] for i in log.steady_decode(1)])) * 1e3)
 
 
 def fill_caches_randomly(runner) -> None:

@@ -119,6 +119,11 @@ class StepLog:
         self.host.append(wall - (engine.times.wait_s - wait_before))
         self.launch.append(engine.last_launch)
 
+    def steady_decode(self, batch: int) -> list[int]:
+        """The steps that sent a decode of `batch` rows right after another: steady decoding, every row real."""
+        step = (StepKind.DECODE, batch)
+        return [i for i in range(1, len(self.launch)) if self.launch[i] == step and self.launch[i - 1] == step]
+
 
 def run_engine(engine, arrivals, on_arrival=None, on_token=None, progress=None) -> StepLog:
     """Step the engine until `arrivals` ([(time offset s, prompt, params)], sorted) are all served;
@@ -154,8 +159,7 @@ def decode_phase(llm, costs, batch: int, prompt_len: int, steps: int, vocab: int
     prompts = rng.integers(3, vocab, size=(batch, prompt_len)).tolist()
     params = SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     log = run_engine(llm.engine, [(0.0, p, params) for p in prompts])
-    steady = [i for i in range(1, len(log.launch))
-              if log.launch[i] == (StepKind.DECODE, batch) and log.launch[i - 1] == (StepKind.DECODE, batch)]
+    steady = log.steady_decode(batch)
     step_s = float(np.median([log.wall[i] for i in steady]))
     host_s = float(np.median([log.host[i] for i in steady]))
     floor = decode_floor_s(costs, batch, prompt_len + steps / 2)

@@ -97,6 +97,18 @@ TINY_CONFIGS = {
 }
 
 
+def build_from_config(raw: dict, dtype="float32", seed: int = 0):
+    """Our model for a `config.json` dict (e.g. one of TINY_CONFIGS, with overrides), random weights: no
+    transformers model or checkpoint involved."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxmodels.families import load_config, model_class
+
+    config = load_config(raw)
+    return model_class(config)(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+
+
 def make_dsa(variant: str, seed: int = 0, **overrides):
     """A random DeepSeek-V3.2 or GLM-5 model in eval mode, its norms and router biases perturbed
     (`perturb_norms_and_router_biases`)."""

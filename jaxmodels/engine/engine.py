@@ -127,17 +127,20 @@ class Engine:
         # Without a memory fraction, pools are capped by memory only in a one-process job: the processes of a
         # multi-process one may see different free memory, and their pools must have the same shapes.
         capped = jax.process_count() == 1 and reports_memory(devices)
+        pages = self.sizes.num_pages
         if num_pages is None and (memory_fraction is not None or capped):
-            self.sizes = self._pages_for_memory(step, memory_fraction, devices, group_batch, row_len, page_size)
+            pages = self._pages_for_memory(step, memory_fraction, devices)
         addressable = addressable_pages(step.cache_shapes, self.sizes)
-        if addressable is not None and self.sizes.num_pages > addressable:
+        if addressable is not None and pages > addressable:
             if num_pages is not None:
                 raise ValueError(f"num_pages={num_pages} makes a pool of 1-byte elements larger than the kernels "
                                  f"address ({MAX_BYTE_POOL_ELEMENTS} elements): at most {addressable}")
             log.warning("%d KV pages would make a pool of 1-byte elements larger than the kernels address (%d "
-                        "elements): %d pages", self.sizes.num_pages, MAX_BYTE_POOL_ELEMENTS, addressable)
+                        "elements): %d pages", pages, MAX_BYTE_POOL_ELEMENTS, addressable)
+            pages = addressable
+        if pages != self.sizes.num_pages:
             self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len, page_size=page_size,
-                                               num_pages=addressable)
+                                               num_pages=pages)
         log.info("engine limits: max_batch_size=%d max_seq_len=%d max_prefill_tokens=%d; pools of each of %d dp "
                  "group(s): %d KV pages of %d tokens (page 0 null), %d state slots (slot 0 null)", max_batch_size,
                  max_seq_len, max_prefill_tokens, dp, self.sizes.num_pages, page_size, self.sizes.num_slots)
@@ -157,24 +160,23 @@ class Engine:
         self.last_launch: tuple[StepKind, int] | None = None  # (kind, rows) of the last step the last step() sent
         self.times = StepTimes()
 
-    def _pages_for_memory(self, step, memory_fraction, devices, group_batch, row_len, page_size) -> PoolSizes:
-        """Pools in `memory_fraction` of the memory left after the weights; without one, the pools of max_batch_size
-        requests of max_seq_len capped at DEFAULT_MEMORY_FRACTION of it (a long max_seq_len then shares fewer pages
-        among the requests, which the scheduler handles by waiting or preempting)."""
+    def _pages_for_memory(self, step, memory_fraction, devices) -> int:
+        """Pages (null page included) in `memory_fraction` of the memory left after the weights; without one, the
+        pages of the full pools (`self.sizes`: max_batch_size requests of max_seq_len) capped at
+        DEFAULT_MEMORY_FRACTION of it (a long max_seq_len then shares fewer pages among the requests, which the
+        scheduler handles by waiting or preempting)."""
         fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
         if not 0 < fraction < 1:
             raise ValueError(f"memory_fraction must be in (0, 1), got {memory_fraction}")
         # A device holds its group's pools; sized as if they were whole on it: safe, if low, where KV pages split
         # over tp.
         pages = pages_within(int(fraction * free_device_memory(devices)), step.cache_shapes, self.sizes)
-        if memory_fraction is None:
-            if pages < self.sizes.num_pages:
-                log.warning("%d KV pages of %d tokens fit in %.0f%% of the free device memory, fewer than %d requests "
-                            "of max_seq_len=%d would take; they share them (pass num_pages or memory_fraction to "
-                            "choose)", pages - 1, page_size, 100 * fraction, group_batch, row_len)
-            pages = min(pages, self.sizes.num_pages)
-        return PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len, page_size=page_size,
-                                     num_pages=pages)
+        if memory_fraction is None and pages < self.sizes.num_pages:
+            log.warning("%d KV pages of %d tokens fit in %.0f%% of the free device memory, fewer than %d requests of "
+                        "%d tokens would take; they share them (pass num_pages or memory_fraction to choose)",
+                        pages - 1, self.sizes.page_size, 100 * fraction, self.sizes.num_slots - 1,
+                        self.sizes.pages_per_seq * self.sizes.page_size)
+        return pages if memory_fraction is not None else min(pages, self.sizes.num_pages)
 
     def add_request(self, prompt, params: SamplingParams) -> Request:
         """Queue a request; raises InvalidRequest (touching no state) when the prompt or its params are bad."""

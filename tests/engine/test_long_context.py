@@ -18,20 +18,10 @@ import pytest
 
 import jaxmodels
 from jaxmodels import SamplingParams
-from tests.hf_models import TINY_CONFIGS
+from tests.hf_models import TINY_CONFIGS, build_from_config
 
 TIE = 1e-4  # of the largest |logit|
 NEW_TOKENS = 6
-
-
-def build(raw: dict, seed: int = 0):
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxmodels.families import load_config, model_class
-
-    config = load_config(raw)
-    return model_class(config)(config, dtype=jnp.float32, rngs=nnx.Rngs(seed))
 
 
 def teacher_forced_logits(model, ids: list[int]) -> np.ndarray:
@@ -73,7 +63,7 @@ def long_dsa(**overrides) -> dict:
 @pytest.mark.parametrize("family", ["nemotron_h", "deepseek_v32"])
 def test_prompts_of_thousands_of_tokens_follow_the_full_forward(family):
     raw = long_dsa() if family == "deepseek_v32" else {**TINY_CONFIGS["nemotron_h"], "max_position_embeddings": 4096}
-    model = build(raw)
+    model = build_from_config(raw)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, raw["vocab_size"], size=n).tolist() for n in (3001, 2050)]
     for prompt, tokens in zip(prompts, serve(model, prompts, chunk=384, max_seq_len=3100)):
@@ -81,7 +71,7 @@ def test_prompts_of_thousands_of_tokens_follow_the_full_forward(family):
 
 
 def test_max_seq_len_past_the_models_positions_is_an_error():
-    model = build(long_dsa(max_position_embeddings=1024))
+    model = build_from_config(long_dsa(max_position_embeddings=1024))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         jaxmodels.LLM(None, model=model, dtype="float32", max_batch_size=1, max_seq_len=2048, warmup=False,
                       progress=False)
@@ -104,7 +94,7 @@ GPU_NEMOTRON_H = {**TINY_CONFIGS["nemotron_h"], "vocab_size": 1024, "hidden_size
 @pytest.mark.gpu
 @pytest.mark.parametrize("raw,length", [(GPU_DSA, 32768), (GPU_NEMOTRON_H, 8192)], ids=["dsa_32k", "nemotron_h_8k"])
 def test_long_prompt_on_gpu_follows_the_full_forward(raw, length):
-    model = build(raw)
+    model = build_from_config(raw)
     # The forward's sequence (prompt + all tokens but the last) is a power of two: the contiguous index-key cache
     # of the DSA forward then takes the Pallas indexer too.
     prompt = np.random.default_rng(1).integers(3, raw["vocab_size"], size=length - NEW_TOKENS + 1).tolist()

@@ -11,16 +11,13 @@ CUDA here, on any machine, with the kernels' GPU paths selected.
 import re
 
 import jax
-import jax.numpy as jnp
 import pytest
-from flax import nnx
 
 from jaxmodels.engine.cache import PoolSizes
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.step import ModelStep
-from jaxmodels.families import load_config, model_class
 from pallas_kernels import _dispatch
-from tests.hf_models import TINY_CONFIGS
+from tests.hf_models import TINY_CONFIGS, build_from_config
 
 
 def control_flow(text: str) -> list[str]:
@@ -46,9 +43,8 @@ MTP = {"nemotron_h": dict(num_nextn_predict_layers=1, mtp_layers_block_type=["at
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
 def test_step_programs_have_no_xla_control_flow(model_type, speculative, monkeypatch, cuda_lowering):
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
-    config = load_config({**TINY_CONFIGS[model_type], **(MTP[model_type] if speculative else {})})
-    step = ModelStep(model_class(config)(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
-                     num_speculative_tokens=speculative)
+    model = build_from_config({**TINY_CONFIGS[model_type], **(MTP[model_type] if speculative else {})}, "bfloat16")
+    step = ModelStep(model, num_speculative_tokens=speculative)
     runner = Runner(step, PoolSizes.from_limits(max_batch_size=2, max_seq_len=16), decode_sizes=[2],
                     prefill_sizes=[8], max_seqs_per_extend=2)
     programs = {}

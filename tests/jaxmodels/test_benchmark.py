@@ -9,11 +9,11 @@ from flax import nnx
 from jaxmodels.__main__ import main
 from jaxmodels.benchmark import FP8_BLOCK_QUANTIZATION
 from jaxmodels.benchmark_floors import model_costs
-from jaxmodels.families import load_config, model_class
+from jaxmodels.families import load_config
 from jaxmodels.layers.fp8_linear import Fp8ExpertStack, Fp8Linear
 from jaxmodels.nnx_params import model_params
 from jaxmodels.quantization import with_fp8_weights
-from tests.hf_models import TINY_CONFIGS
+from tests.hf_models import TINY_CONFIGS, build_from_config
 
 TINY = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 256, "hidden_size": 64,
@@ -66,8 +66,7 @@ def test_fp8_block_model_holds_fp8_weights_and_its_floors_count_their_bytes():
     """The benchmark's FP8 model: the layers DeepSeek-V3.2's checkpoint quantizes hold e4m3 weights with block
     scales; one routed expert (three 20 x 48 projections, one 128 x 128 block each) takes one byte per weight plus
     4 per scale, a quarter of its float32 bytes plus 12, and the model multiplies by as many weights per token."""
-    config = load_config(TINY_DSA)  # random_model's model, unbalanced: routing changes no cost
-    model = model_class(config)(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = build_from_config(TINY_DSA)  # random_model's model, unbalanced: routing changes no cost
     dense_costs = model_costs(model.config, model_params(model), "float32")
     # What random_model does with the quantization config.
     fp8 = with_fp8_weights(model, load_config({**TINY_DSA, "quantization_config": FP8_BLOCK_QUANTIZATION}),
