@@ -109,11 +109,24 @@ def pallas_problem(index_heads: int, head_dim: int, page_size: int = 64) -> str 
                          pow2_tile_problem("page_size (contiguous cache: its length)", page_size, minimum=1))
 
 
+def visible_prefix(kv_lens, topk: int):
+    """int32[T, topk]: positions 0 .. kv_lens-1 of each query, then −1: the selection when k is at least the number
+    of keys a query can see."""
+    positions = jnp.arange(topk, dtype=jnp.int32)[None, :]
+    return jnp.where(positions < kv_lens.astype(jnp.int32)[:, None], positions, -1)
+
+
 def indexer_topk(q, weights, k_cache, *, kv_lens, topk: int, page_table=None, seq_ids=None, k_scale=None,
                  impl: str = "auto", interpret: bool = False):
-    """Top-k key positions per query; see the module docstring for layouts. Returns int32[T, topk], −1 padded."""
+    """Top-k key positions per query; see the module docstring for layouts. Returns int32[T, topk], −1 padded.
+
+    When topk covers every key the cache holds for a query (the table's row, or a contiguous row), nothing needs
+    scoring: every visible key is selected, listed in order (`visible_prefix`), which is one valid output of the
+    selection (its order is unspecified) and costs no logits."""
     kv_lens = kv_lens.astype(jnp.int32)
     page_size = k_cache.shape[1]
+    if topk >= page_size * (page_table.shape[1] if page_table is not None else 1):
+        return visible_prefix(kv_lens, topk)
     if resolve_impl(impl, interpret, pallas_problem(q.shape[1], q.shape[2], page_size), "indexer_topk") == "xla":
         return indexer_topk_reference(q, weights, k_cache, kv_lens=kv_lens, topk=topk, page_table=page_table,
                                       seq_ids=seq_ids, k_scale=k_scale)

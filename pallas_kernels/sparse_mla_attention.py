@@ -21,8 +21,10 @@ per head block (the head blocks of one query are adjacent in the grid and share 
 
 Prefill chunks have T·H/BH programs to spare and take S = 1. Decode batches have few queries, so the list is split
 (flash-decoding): S > 1 programs per (query, head block) each write a normalised partial output and its
-log-sum-exp in float32, and an XLA combine weighs them (`_combine_splits`). With `trim`, a program stops at its
-split's last listed index: a decode over a context shorter than k gathers only what the indexer listed.
+log-sum-exp in float32, and an XLA combine weighs them (`_combine_splits`). Given `listed` (how many entries lead
+each list, the rest being −1, as the indexer lays them out) a program walks only the chunks that hold them; without
+it, `trim` finds a split's last listed index by loading the split's indices at once. Either way a decode over a
+context shorter than k gathers only what the indexer listed.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def sparse_mla_attention_reference(q, latent_cache, indices, *, scale: float, kv
     return out.astype(q.dtype)
 
 
-def _sparse_mla_kernel(idx_ref, q_ref, kv_ref, *out_refs, scale, dl, dr, block_h, block_k, split_len, trim):
+def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_len, trim, counted):
+    count_ref, q_ref, kv_ref, *out_refs = refs if counted else (None, *refs)
     h0 = pl.program_id(0) * block_h
     split = pl.program_id(1)
     t = pl.program_id(2)
@@ -94,7 +97,11 @@ def _sparse_mla_kernel(idx_ref, q_ref, kv_ref, *out_refs, scale, dl, dr, block_h
                                              precision=dot_precision(kv.dtype))
         return m_new, l, acc
 
-    if trim:
+    if counted:
+        # The list's first `listed` entries are its keys: walk the chunks of this split that hold any.
+        in_split = jnp.clip(count_ref[t] - k0, 0, split_len)
+        n_chunks = (in_split + block_k - 1) // block_k
+    elif trim:
         # Walk only up to the split's last listed key: the indexer lists its keys first and pads with −1, so short
         # contexts (and the splits past them) cost no gathers.
         listed = idx_ref[t, pl.ds(k0, split_len)] >= 0
@@ -154,10 +161,12 @@ def default_tiles(num_queries: int, dtype, *, heads: int, topk: int, block_h: in
 
 
 def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512,
-                                block_h: int = 32, block_k: int | None = None, num_warps: int = 4,
+                                listed=None, block_h: int = 32, block_k: int | None = None, num_warps: int = 4,
                                 num_stages: int | None = None, num_splits: int | None = None,
                                 trim: bool | None = None, interpret: bool = False):
-    """Grid (head blocks, splits of the top-k list, queries); options left None take `default_tiles`."""
+    """Grid (head blocks, splits of the top-k list, queries); options left None take `default_tiles`. With
+    `listed` (see `sparse_mla_attention`) a program walks only the chunks that hold listed keys, and `trim` is
+    moot."""
     T, H, D = q.shape
     topk = indices.shape[1]
     block_h = min(block_h, H)
@@ -167,7 +176,7 @@ def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lo
     block_k = tiles["block_k"] if block_k is None else block_k
     num_stages = tiles["num_stages"] if num_stages is None else num_stages
     num_splits = tiles["num_splits"] if num_splits is None else num_splits
-    trim = tiles["trim"] if trim is None else trim
+    trim = (tiles["trim"] if trim is None else trim) and listed is None
     dl, dr = kv_lora_rank, D - kv_lora_rank
     # Each split is a whole number of BK chunks; trimming loads a split's indices at once (a power of two).
     split_len = pl.cdiv(pl.cdiv(topk, num_splits), block_k) * block_k
@@ -176,7 +185,7 @@ def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lo
     flat = latent_cache.reshape(-1, D)
     indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, num_splits * split_len - topk)), constant_values=-1)
     kernel = functools.partial(_sparse_mla_kernel, scale=float(scale), dl=dl, dr=dr, block_h=block_h,
-                               block_k=block_k, split_len=split_len, trim=trim)
+                               block_k=block_k, split_len=split_len, trim=trim, counted=listed is not None)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((T, H, dl), q.dtype)
     else:
@@ -191,7 +200,7 @@ def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lo
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_mla_attention",
-    )(indices, q, flat)
+    )(indices, *([] if listed is None else [listed.astype(jnp.int32)]), q, flat)
     return out if num_splits == 1 else _combine_splits(*out, q.dtype)
 
 
@@ -203,12 +212,16 @@ def pallas_problem(heads: int, latent_dim: int, rope_dim: int, block_h: int = 32
             or pow2_tile_problem("qk_rope_head_dim", rope_dim))
 
 
-def sparse_mla_attention(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512, impl: str = "auto",
-                         interpret: bool = False, **kernel_options):
-    """See the module docstring. `kv_lora_rank` = Dl (value width); D - Dl is the rope part."""
+def sparse_mla_attention(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512, listed=None,
+                         impl: str = "auto", interpret: bool = False, **kernel_options):
+    """See the module docstring. `kv_lora_rank` = Dl (value width); D - Dl is the rope part.
+
+    `listed` (int32[T], optional): how many entries at the front of each query's list may be keys, every entry past
+    them being −1, as the indexer lays its lists out (min(visible keys, k)); the kernel then gathers no chunk past
+    them, which matters when k is much wider than what a query sees (every key selected over long rows)."""
     problem = pallas_problem(q.shape[1], kv_lora_rank, q.shape[2] - kv_lora_rank,
                              kernel_options.get("block_h", 32))
     if resolve_impl(impl, interpret, problem, "sparse_mla_attention") == "xla":
         return sparse_mla_attention_reference(q, latent_cache, indices, scale=scale, kv_lora_rank=kv_lora_rank)
     return sparse_mla_attention_pallas(q, latent_cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
-                                       interpret=interpret, **kernel_options)
+                                       listed=listed, interpret=interpret, **kernel_options)

@@ -116,10 +116,13 @@ class MLAttention(nnx.Module):
         values = jnp.einsum("...hc,chv->...hv", out_latent.astype(w_uv.dtype), w_uv)
         return self.o_proj(values.reshape(*values.shape[:-2], -1))
 
-    def attend_absorbed(self, q_absorbed: jax.Array, latent_cache: jax.Array, cache_rows: jax.Array) -> jax.Array:
-        """Packed queries [T, H, Dl+dr] over the cache rows they selected (int32[T, k], −1 = none) -> [T, H, Dl]."""
+    def attend_absorbed(self, q_absorbed: jax.Array, latent_cache: jax.Array, cache_rows: jax.Array,
+                        kv_lens: jax.Array) -> jax.Array:
+        """Packed queries [T, H, Dl+dr] over the cache rows they selected (int32[T, k], −1 = none; a query seeing
+        kv_lens[t] keys lists at most that many, first) -> [T, H, Dl]."""
         return pallas_kernels.sparse_mla_attention(q_absorbed, latent_cache, cache_rows, scale=self.scale,
-                                                   kv_lora_rank=self.kv_lora_rank)
+                                                   kv_lora_rank=self.kv_lora_rank,
+                                                   listed=jnp.minimum(kv_lens, cache_rows.shape[1]))
 
     # ---- expanded path --------------------------------------------------------------------------------------------
 
@@ -176,10 +179,10 @@ class MLAttention(nnx.Module):
             return self.o_proj(out.reshape(batch, seq, -1)), indices
         q_absorbed = self.absorb_query(q_nope, q_rope).reshape(batch * seq, self.num_heads, -1)
         # The batch's own latent rows are the cache: row b's position j is flat row b·T + j.
-        _, seq_ids = causal_layout(batch, seq)
+        kv_lens, seq_ids = causal_layout(batch, seq)
         rows = pallas_kernels.logical_to_cache_rows(indices, jnp.arange(batch, dtype=jnp.int32)[:, None], seq_ids,
                                                     seq)
-        out_latent = self.attend_absorbed(q_absorbed, latent, rows)
+        out_latent = self.attend_absorbed(q_absorbed, latent, rows, kv_lens)
         return self.output_from_latent(out_latent.reshape(batch, seq, self.num_heads, -1)), indices
 
     def _cached_step(self, hidden, cos, sin, indices, step, cache, q_nope, q_rope, latent, q_latent):
@@ -196,5 +199,5 @@ class MLAttention(nnx.Module):
             indices = self.indexer.select(q, weights, index_k, kv_lens=step.positions + 1, topk=topk,
                                           k_scale=index_k_scale, page_table=step.page_table, seq_ids=step.seq_ids)
         rows = pallas_kernels.logical_to_cache_rows(indices, step.page_table, step.seq_ids, page_size)
-        out = self.attend_absorbed(self.absorb_query(q_nope, q_rope), latent_pages, rows)
+        out = self.attend_absorbed(self.absorb_query(q_nope, q_rope), latent_pages, rows, step.positions + 1)
         return self.output_from_latent(out), indices, MLACache(latent_pages, index_k, index_k_scale)

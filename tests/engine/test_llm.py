@@ -91,6 +91,16 @@ def test_dsa_greedy_matches_transformers(variant, tmp_path):
         assert out.token_ids == hf_greedy(hf_model, prompt), f"prompt of {len(prompt)} tokens"
 
 
+def test_dsa_selecting_every_key_matches_transformers(tmp_path):
+    """index_topk at the engine's whole row (64 positions): each query selects every key it sees, which the indexer
+    lists without scoring them and the sparse attention walks only as far as that (`listed`)."""
+    hf_model = make_dsa("deepseek_v32", index_topk=LIMITS["max_seq_len"])
+    llm = jaxmodels.LLM(save(hf_model, tmp_path / "all_keys"), dtype="float32", **{**LIMITS, "warmup": False})
+    prompts = random_prompts(PROMPT_LENGTHS, vocab=hf_model.config.vocab_size)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert out.token_ids == hf_greedy(hf_model, prompt), f"prompt of {len(prompt)} tokens"
+
+
 def test_dsa_fp8_index_keys_serve_the_model_forward(tmp_path):
     """`reference` indexer numerics (Hadamard + FP8 index keys with per-token scales in the paged cache): the engine
     gives the tokens of the no-cache forward with the same numerics (transformers has no FP8 path to compare with)."""

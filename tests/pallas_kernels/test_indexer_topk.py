@@ -149,6 +149,20 @@ def test_indexer_topk_paged_prefill_and_decode():
     assert_topk_valid(ref, ref_logits, kv_lens, topk)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_k_covering_the_whole_row_selects_every_visible_key_in_order(impl):
+    """topk >= the keys a row of the table holds (6 pages of 8): every visible key, listed first and in order, which
+    the sparse attention's `listed` counts rely on; no logits are computed for it."""
+    q, w, k_cache, page_table = _paged_problem(jax.random.key(9), T=3, Hi=4, D=16, page_size=8, max_pages=6,
+                                               num_pages=16)
+    kv_lens = jnp.array([48, 5, 0], jnp.int32)
+    kw = dict(kv_lens=kv_lens, page_table=page_table, seq_ids=jnp.array([0, 1, 1], jnp.int32))
+    got = np.asarray(indexer_topk(q, w, k_cache, topk=48, impl=impl, interpret=True, **kw))
+    want = np.where(np.arange(48)[None, :] < np.asarray(kv_lens)[:, None], np.arange(48)[None, :], -1)
+    np.testing.assert_array_equal(got, want)
+    assert_topk_valid(got, index_logits_reference(q, w, k_cache, **kw), kv_lens, 48)
+
+
 @pytest.mark.parametrize("fuse_group_max", [True, False])
 def test_indexer_topk_long_rows_with_fused_group_maxima(fuse_group_max):
     """Rows longer than 4·next_pow2(k) go through the group-maxima bound, taken from the logits kernel (fused) or

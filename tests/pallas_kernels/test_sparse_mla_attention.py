@@ -69,6 +69,23 @@ def test_split_decode_matches_dense_masked_attention(num_splits, trim):
     assert np.all(np.asarray(got)[2] == 0)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_listed_counts_bound_the_walk(num_splits):
+    """Lists laid out as the indexer lays them (keys first, then −1) with their counts: the kernel walks only the
+    chunks holding keys and gives dense attention over them. A count past the keys (row 3: an upper bound) is fine."""
+    dl, scale = 32, 0.2
+    q, cache, _ = _problem(jax.random.key(6), dl=dl)
+    counts = np.array([40, 13, 0, 27])
+    rows = np.stack([np.random.default_rng(t).permutation(cache.shape[0] * cache.shape[1])[:40] for t in range(4)])
+    idx = np.where(np.arange(40)[None, :] < counts[:, None], rows, -1).astype(np.int32)
+    idx[3, 20:] = -1  # 20 keys, a count of 27
+    want = dense_masked_attention(q, cache, idx, scale, dl)
+    got = sparse_mla_attention(q, cache, jnp.asarray(idx), scale=scale, kv_lora_rank=dl, listed=jnp.asarray(counts),
+                               impl="pallas", interpret=True, block_h=2, block_k=4, num_splits=num_splits)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[2] == 0)
+
+
 def test_split_decode_bf16_keeps_float32_partials():
     """bf16 in and out; the partial states are float32, so splitting adds no rounding beyond one split's."""
     dl, scale = 32, 0.15
@@ -118,6 +135,9 @@ def test_sparse_mla_lowers_to_triton(cuda_lowering):
                     dict(num_splits=1, trim=False, block_k=64, num_stages=3)]:
         cuda_lowering(jax.jit(lambda q, c, i: sparse_mla_attention(q, c, i, scale=0.1, impl="pallas", **options)),
                       S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32))
+    cuda_lowering(jax.jit(lambda q, c, i, n: sparse_mla_attention(q, c, i, scale=0.1, listed=n, impl="pallas")),
+                  S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32),
+                  S((8,), jnp.int32))
 
 
 @pytest.mark.gpu
