@@ -35,6 +35,7 @@ HBM_BPS = 4.25e12
 MXU_FLOPS = 810e12
 CTXS = [8192, 32768, 131072]
 INDEXER_KINDS = ["decode", "prefill"]
+MLA_BATCHES = [1, 32, 128]
 
 # The kernels as they were before the decode splits and the group compaction (issue 14), for side-by-side rows:
 # the select with a second pass over the row and 32 + 32 fixed counting passes, its own group-maxima pass, the
@@ -313,7 +314,12 @@ def mla_variants(B, listed, quick):
         # of register spills (Triton 3.6, sm_90); 8 warps on 32 heads: 231 registers, no spills.
         dict(num_stages=2), dict(block_k=64, num_stages=2), dict(block_h=64, num_warps=8),
         dict(block_h=64, num_warps=8, block_k=16), dict(block_h=64, num_warps=8, num_stages=2),
-        dict(block_h=32, num_warps=8), dict(block_k=16, num_stages=3)]
+        dict(block_h=32, num_warps=8), dict(block_k=16, num_stages=3)] + ([
+        # From B=128 the queries alone fill the GPU: the prefill tiles (64-row gathers, 3 stages in flight), and
+        # them on 8 warps or over two splits.
+        dict(block_k=64, num_stages=3), dict(block_k=64, num_stages=3, num_warps=8),
+        dict(block_k=64, num_stages=3, num_splits=2), dict(block_k=32, num_stages=3),
+        dict(block_h=64, block_k=32, num_warps=8, num_stages=3)] if B >= 128 else [])
 
 
 @section
@@ -323,7 +329,7 @@ def bench_sparse_mla(quick):
     which is larger from B=128 on (2·H·k·(576+512) FLOPs per query at 810 TFLOP/s)."""
     H, k, rows = 128, 2048, 1 << 18
     cache = jax.random.normal(jax.random.key(6), (rows // 64, 64, 576)).astype(jnp.bfloat16)
-    cases = [(B, k) for B in (1, 32, 128)] + [(32, 1024)]  # the last: contexts shorter than k, lists half −1
+    cases = [(B, k) for B in MLA_BATCHES] + [(32, 1024)] * (32 in MLA_BATCHES)  # the last: contexts shorter than k, lists half −1
     for B, listed in cases:
         q = jax.random.normal(jax.random.key(B), (B, H, 576)).astype(jnp.bfloat16)
         idx = jax.random.randint(jax.random.key(B + 1), (B, k), 0, rows).astype(jnp.int32)
@@ -412,7 +418,9 @@ def main():
     ap.add_argument("--log", default=None)
     ap.add_argument("--ctx", default="8192,32768,131072", help="indexer contexts")
     ap.add_argument("--indexer-kinds", default="decode,prefill", help="indexer cases: decode (B=1, 32), prefill")
+    ap.add_argument("--mla-batches", default="1,32,128", help="sparse MLA decode batch sizes")
     args = ap.parse_args()
+    MLA_BATCHES[:] = [int(b) for b in args.mla_batches.split(",")]
     CTXS[:] = [int(c) for c in args.ctx.split(",")]
     INDEXER_KINDS[:] = args.indexer_kinds.split(",")
     open_log(args.log)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|fp8|fp8_sweep|fp8_engine ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|mla_b128|fp8|fp8_sweep|fp8_engine ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -50,6 +50,8 @@ for what in "$@"; do
     fp8_engine) for fp8 in --fp8-block ""; do  # the FP8 GPU paths in the engine, against bf16
           JAXMODELS_FP8_GPU_PATHS=1 bench --config bench/configs/deepseek_v32_4layer.json --phases prefill,decode \
             --batches 1,32 --decode-steps 24 --prefill-chunk 4096 $fp8 2>&1 | tail -14; done ;;
+    mla_b128) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
+        --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
   esac
 done
