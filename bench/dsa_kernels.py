@@ -308,18 +308,13 @@ def mla_variants(B, listed, quick):
         return [OLD_MLA, dict()]
     if listed < 2048:  # what trimming the −1 tail saves
         return [OLD_MLA, dict(), dict(num_splits=1)]
-    splits = [dict(num_splits=n) for n in (1, 2, 4, 8, 16) if B * n <= 512]
-    return [OLD_MLA, dict()] + splits + [
-        # 64-head blocks on 8 warps get Hopper's wgmma (32-head blocks lower to mma.sync) at the price of ~800 bytes
-        # of register spills (Triton 3.6, sm_90); 8 warps on 32 heads: 231 registers, no spills.
-        dict(num_stages=2), dict(block_k=64, num_stages=2), dict(block_h=64, num_warps=8),
-        dict(block_h=64, num_warps=8, block_k=16), dict(block_h=64, num_warps=8, num_stages=2),
-        dict(block_h=32, num_warps=8), dict(block_k=16, num_stages=3)] + ([
-        # From B=128 the queries alone fill the GPU: the prefill tiles (64-row gathers, 3 stages in flight), and
-        # them on 8 warps or over two splits.
-        dict(block_k=64, num_stages=3), dict(block_k=64, num_stages=3, num_warps=8),
-        dict(block_k=64, num_stages=3, num_splits=2), dict(block_k=32, num_stages=3),
-        dict(block_h=64, block_k=32, num_warps=8, num_stages=3)] if B >= 128 else [])
+    splits = [n for n in (1, 2, 4, 8, 16) if B * n <= 512]
+    # 64-head blocks on 8 warps (wgmma, ~800 bytes of spills), 8 warps on 32 heads and 16-row gathers were slower
+    # than these everywhere on the H200 (2026-12-01 03:40 UTC, B=128: 0.53-1.09 ms against 0.33); multi-stage
+    # 64-row gathers were the best there.
+    return [OLD_MLA, dict()] + [dict(num_splits=n) for n in splits] + [
+        dict(num_stages=2), dict(block_k=32, num_stages=3), dict(block_k=64, num_stages=2)] + [
+        dict(block_k=64, num_stages=3, num_splits=n) for n in splits]
 
 
 @section

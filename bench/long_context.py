@@ -45,6 +45,8 @@ def parse_args(argv):
     p.add_argument("--dense-prefill-max", type=int, default=8192)
     p.add_argument("--mamba-ssm-cache-dtype", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, help="directory: trace the decode at batch B at the longest context "
+                   "and print its per-op table")
     return p.parse_args(argv)
 
 
@@ -107,6 +109,17 @@ def decode_at_batch(llm, batch: int, context: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def profile_decode_at_batch(llm, batch: int, context: int, directory: str, steps: int = 8) -> None:
+    """The per-op table of `steps` decode steps at batch B and `context` (see decode_at_batch)."""
+    from jaxmodels.benchmark import FIRST_DEVICE, traced
+    from jaxmodels.profiling import format_op_table, op_table
+
+    path = f"{directory}/decode_b{batch}_ctx{context}"
+    traced(path, lambda: decode_at_batch(llm, batch, context, steps))
+    print(f"\n## profile: decode B={batch} at context {context}, {steps} steps (+3 warm)")
+    print(format_op_table(op_table(path, FIRST_DEVICE), steps=steps + 3))
+
+
 def build_engine(raw: dict, args, max_seq_len: int, prefill_chunk: int, warmup: bool = True):
     """(LLM on a random model of `raw` with pools for `--batch` requests of max_seq_len, its ModelCosts); without
     `warmup` each executable compiles when first used (timed steps start after warm steps, so that stays out)."""
@@ -135,6 +148,8 @@ def measure(llm, costs, contexts, args, vocab: int, rng, serve_up_to: int) -> li
                          decode_bn_floor_ms=decode_floor_s(costs, args.batch, context) * 1e3,
                          decode_b1_floor_ms=decode_floor_s(costs, 1, context) * 1e3))
         print(rows[-1], flush=True)
+    if args.profile and contexts:
+        profile_decode_at_batch(llm, args.batch, contexts[-1], args.profile)
     served_any = False
     for row in rows:
         if row["context"] <= serve_up_to:

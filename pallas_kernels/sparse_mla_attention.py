@@ -133,11 +133,12 @@ def _combine_splits(partial_out, lse, dtype):
     return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
 
 
-# Prefill chunks (many queries) in 16-bit: 64-row gathers, 3 stages in flight. Measured on the H200 at T=2048,
-# H=128, top-2048 (`bench/dsa_kernels.py --only mla_prefill`): 5.6 ms against 10.3 ms for the decode tiles. The
-# three stages of a 64 x 576 16-bit tile take 216 KiB of shared memory, so float32 keeps the small tiles.
+# Prefill chunks and large decode batches (many queries) in 16-bit: 64-row gathers, 3 stages in flight. Measured on
+# the H200 at H=128, top-2048 (`bench/dsa_kernels.py --only mla_prefill` / `--only mla_decode --mla-batches 128`):
+# T=2048, 5.6 ms against 10.3 ms for the decode tiles; T=128, 0.333 ms against 0.636 (splitting the list in two:
+# 0.370). The three stages of a 64 x 576 16-bit tile take 216 KiB of shared memory, so float32 keeps the small tiles.
 PREFILL_TILES = dict(block_k=64, num_stages=3, num_splits=1, trim=False)
-PREFILL_MIN_QUERIES = 512
+PREFILL_MIN_QUERIES = 128
 # Decode (few queries): the top-k list is split over programs until about DECODE_TARGET_PROGRAMS run (two per SM
 # of the H200's 132), each split at least MIN_KEYS_PER_SPLIT keys. DECODE_TARGET_PROGRAMS = 0: one program per
 # (query, head block), the layout before splitting.
