@@ -38,7 +38,7 @@ from jax import lax
 from dsa_kernels import routed_sizes
 from kernel_report import ROWS, open_log, say, section, timeit
 from pallas_kernels.fp8_matmul import (fp8_grouped_matmul, fp8_matmul, fp8_matmul_xla_fp8, quantize_activations,
-                                       quantize_weight)
+                                       quantize_static, quantize_weight)
 from pallas_kernels.fp8_matmul_pallas import default_tiles, fp8_block_grouped_matmul, fp8_block_matmul
 from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul_pallas
 
@@ -101,6 +101,11 @@ def random_fp8_weight(key, shape):
     return quantize_weight(jax.random.normal(key, shape, jnp.float32) * shape[-1] ** -0.5, BLOCK)
 
 
+# The e4m3 dot's algorithm: XLA's default, float32 accumulation (what fp8_matmul_xla_fp8 asks for on the GPU), and
+# cuBLASLt's fast (unpromoted) accumulation.
+DOT_ALGORITHMS = [None, lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM]
+
+
 def time_row(label, f, *args, flops, baseline=None, target_s=0.15):
     """Times f(*args), prints one row (ms, TFLOP/s, speed-up over `baseline`'s seconds) and returns the seconds."""
     t = timeit(f, *args, target_s=target_s)
@@ -138,6 +143,12 @@ def check():
                                               impl="xla_fp8"))(x, w8)
         want = jax.jit(lambda a, b: fp8_matmul(a, b, scale, block=None, input_scale=input_scale, impl="xla"))(x, w8)
         report_check(f"per-tensor xla_fp8 M={M} K={K} N={N}", relative_max_error(got, want))
+        x8 = quantize_static(x, input_scale)
+        for algorithm in DOT_ALGORITHMS[1:]:  # the e4m3 dot's accumulation, for the record (not a check)
+            dot = jax.jit(lambda a, b, p=algorithm: lax.dot_general(a, b, TN, precision=p,
+                                                                    preferred_element_type=jnp.float32))
+            say(f"    e4m3 dot {getattr(algorithm, 'name', 'default')}: max err / max |ref| "
+                f"{relative_max_error(dot(x8, w8) * (input_scale * scale), want):.2e}")
     E, M, K, N = SHAPES.grouped_check
     keys = jax.random.split(jax.random.key(E), 3)
     x = random_activations(keys[0], M, K).astype(jnp.float32)
@@ -154,6 +165,24 @@ def check():
         tail_zero = not np.asarray(got[total:]).any()
         report_check(f"grouped {name} E={E} M={M} ({total} routed) K={K} N={N}, tail zero {tail_zero}",
                      relative_max_error(got[:total], want[:total]), tail_zero)
+    check_past_32_bit_offsets()
+
+
+def check_past_32_bit_offsets():
+    """One device's DeepSeek-V3 down projection, 256 x 7168 x 2048 e4m3 (past 2^31 elements: the kernel takes it as
+    channel pairs), rows routed to the first, a middle and the last expert; the reference per expert."""
+    E, N, K = 256, SHAPES.hidden, SHAPES.intermediate
+    w8, w_scale = random_fp8_weight(jax.random.key(40), (E, N, K))
+    sizes = jnp.zeros((E,), jnp.int32).at[jnp.array([0, 100, E - 1])].set(jnp.array([40, 17, 71]))
+    x = random_activations(jax.random.key(41), 128, K).astype(jnp.float32)
+    got = jax.jit(lambda a, b, c, d: fp8_grouped_matmul(a, b, c, d, block=BLOCK, impl="pallas",
+                                                       interpret=INTERPRET))(x, w8, w_scale, sizes)
+    parts, start = [], 0
+    for g, n in [(0, 40), (100, 17), (E - 1, 71)]:
+        parts.append(fp8_matmul(x[start:start + n], w8[g], w_scale[g], block=BLOCK, impl="xla"))
+        start += n
+    report_check(f"grouped block E={E} K={K} N={N} (w8 past 2^31 elements)",
+                 relative_max_error(got, jnp.concatenate(parts)))
 
 
 # ------------------------------------------------------------------------------------------------- dense
@@ -180,10 +209,11 @@ def dense():
                  flops=flops, baseline=bf16)
         del w_nk, w_kn
         x8 = jnp.clip(x, -448, 448).astype(jnp.float8_e4m3fn)
-        for out in (jnp.float32, jnp.bfloat16):
-            time_row(f"XLA e4m3 dot_general TN -> {jnp.dtype(out).name} (cuBLASLt) M={M}",
-                     jax.jit(lambda a, b, out=out: lax.dot_general(a, b, TN, preferred_element_type=out)), x8, w8,
-                     flops=flops, baseline=bf16)
+        for algorithm in DOT_ALGORITHMS:
+            time_row(f"XLA e4m3 dot_general TN -> float32 (cuBLASLt) {getattr(algorithm, 'name', 'default')} M={M}",
+                     jax.jit(lambda a, b, p=algorithm: lax.dot_general(a, b, TN, precision=p,
+                                                                       preferred_element_type=jnp.float32)),
+                     x8, w8, flops=flops, baseline=bf16)
         scale, input_scale = jnp.float32(0.01), jnp.float32(4 / 448)
         time_row(f"fp8_matmul per-tensor xla_fp8 (quantize + scale) M={M}",
                  jax.jit(lambda a, b: fp8_matmul_xla_fp8(a, b, scale, input_scale=input_scale)), x, w8,
@@ -265,6 +295,8 @@ def main():
     args = ap.parse_args()
     INTERPRET = args.interpret
     SHAPES = TINY if INTERPRET else FULL
+    if INTERPRET:  # the CPU takes no algorithm for FP8 dots
+        del DOT_ALGORITHMS[1:]
     open_log(args.log)
     say(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
         f"{', tiny shapes in interpret mode' if INTERPRET else ''}")

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|mla_b128|fp8|fp8_sweep|fp8_engine ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|mla_b128|mla_small|fp8|fp8_sweep|fp8_engine ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bench() { python3 -m jaxmodels bench --no-progress "$@"; }
 long() {  # bench/long_context.py on a config of bench/configs, log and json under $OUT
-  local config=$1; shift; local log="$OUT/long_${config}$(echo "$*" | tr -d ' -').log"
+  local config=$1; shift; local log="$OUT/long_${config}$(echo "$*" | tr -d ' /-').log"
   timeout "${LONG_TIMEOUT:-280}" python3 bench/long_context.py --config "bench/configs/$config.json" "$@" \
-    --json "${log%.log}.json" > "$log" 2>&1; echo "exit $?"; grep -A6 "^### " "$log"; grep "peak" "$log"; }
+    --json "${log%.log}.json" > "$log" 2>&1; echo "exit $?"; grep -A6 "^### " "$log"; grep "peak" "$log"; grep -A24 "^## profile" "$log"; }
 for what in "$@"; do
   echo "=== $what $(date -u +%T)"
   case $what in
@@ -44,6 +44,7 @@ for what in "$@"; do
     long_nano9b) long nemotron_h_nano9b --batch 8 ;;
     long_dsa) long deepseek_v32_4layer --batch 16 ;;
     long_dense) long deepseek_v32_4layer --batch 16 --dense ;;
+    long_dsa_profile) long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 --profile /tmp/prof_long ;;
     fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
         --log "$OUT/fp8.log" 2>&1 | grep -v Warning | tail -40 ;;
     fp8_sweep) FP8_ONLY=sweep bash "$0" fp8 ;;
@@ -52,6 +53,8 @@ for what in "$@"; do
             --batches 1,32 --decode-steps 24 --prefill-chunk 4096 $fp8 2>&1 | tail -14; done ;;
     mla_b128) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
+    mla_small) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --only mla_decode --mla-batches 16,32 \
+        --log "$OUT/mla_small.log" 2>&1 | grep -v Warning | grep "B=" | tail -40 ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
   esac
 done

@@ -14,7 +14,8 @@ of the longest context. Two measurements per context L:
 `--dense` serves the DSA model with `index_topk` past the context, so every query attends to its whole context
 (dense MLA): the comparison the sparse path must win. It builds one engine per context, its rows just as long (the
 selection is as wide as a row), with prefill chunks of at most 1024 tokens, and serves prompts only up to
-`--dense-prefill-max` tokens (the sparse kernels walk the whole selection, so a dense prefill costs minutes).
+`--serve-up-to` tokens (default 8192 there: the sparse kernels walk the whole selection, so a dense prefill costs
+minutes; every context otherwise; 0 serves none, for the decode figures and `--profile` alone).
 The floor beside each decode figure
 is `jaxmodels.benchmark_floors.decode_floor_s`: weights, the cache a step must read, the states, at 4.25 TB/s.
 """
@@ -42,7 +43,8 @@ def parse_args(argv):
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--dense", action="store_true", help="DSA: index_topk over the whole context (dense MLA)")
-    p.add_argument("--dense-prefill-max", type=int, default=8192)
+    p.add_argument("--serve-up-to", type=int, default=None,
+                   help="serve prompts only up to this context (default: all; 8192 with --dense)")
     p.add_argument("--mamba-ssm-cache-dtype", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default=None, help="directory: trace the decode at batch B at the longest context "
@@ -180,7 +182,8 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     if not args.dense:
         llm, costs = build_engine(raw, args, max_seq_len, args.prefill_chunk)
-        rows = measure(llm, costs, contexts, args, raw["vocab_size"], rng, serve_up_to=max_seq_len)
+        serve_up_to = max_seq_len if args.serve_up_to is None else args.serve_up_to
+        rows = measure(llm, costs, contexts, args, raw["vocab_size"], rng, serve_up_to=serve_up_to)
     else:
         if not dsa:
             raise SystemExit("--dense is for DSA configs (index_topk)")
@@ -192,7 +195,8 @@ def main(argv=None) -> None:
             # at 32k on the H200), is only needed when a prompt is served.
             llm, costs = build_engine({**raw, "index_topk": context + room + 16}, args, context + room,
                                       min(args.prefill_chunk, 1024), warmup=False)
-            rows += measure(llm, costs, [context], args, raw["vocab_size"], rng, serve_up_to=args.dense_prefill_max)
+            rows += measure(llm, costs, [context], args, raw["vocab_size"], rng,
+                            serve_up_to=8192 if args.serve_up_to is None else args.serve_up_to)
             del llm
     print(f"\n### {raw['model_type']} {variant}: served prompt (B=1) and decode at B={args.batch}")
     print(table(rows, [("context", "context", "d"), ("TTFT s", "ttft_s", ".2f"),

@@ -20,6 +20,12 @@ Edges: rows past M and columns past N are loaded under masks and never stored (a
 own operand row only, so what the masked lanes hold cannot leak). A partial last K block (K not a multiple of bk) is
 loaded with zeros past K in both operands, since those lanes do enter the sum.
 
+Large 1-byte operands: Pallas' Triton lowering addresses an array of at most 2^32 bytes with 32-bit element offsets,
+which overflow past 2^31 elements, as a single device's MoE down projection of DeepSeek-V3 (256 x 7168 x 2048 =
+3.8 G e4m3 elements) does. Such operands go in as byte pairs (uint16 [..., K/2], a free bitcast; half the element
+offsets): the kernel splits each loaded pair tile into its low and high bytes and takes two e4m3 dots of half the
+K step, the even and the odd channels, whose sum is the block's product (x and w are paired alike).
+
 Dense: grid (N tiles, M tiles), the M tile fastest, so the programs running at once share few weight tiles and read
 the activations (the smaller operand) through L2. Grouped (MoE): the work items of `grouped_matmul.make_schedule`
 (expert, row tile, row range) on a grid (N tiles, items), each program storing only its item's rows; tail items
@@ -62,24 +68,51 @@ def pallas_problem(block: tuple[int, int], block_m: int | None = None, block_n: 
                          block_n and pow2_tile_problem("block_n", block_n))
 
 
-def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, block_m, block_n):
+# Past this many elements a 1-byte operand of at most 2^32 bytes overflows the lowering's 32-bit offsets.
+MAX_BYTE_ELEMENTS = 2**31 - 1
+
+
+def needs_byte_pairs(*operands) -> bool:
+    """Whether a 1-byte operand is too large for 32-bit element offsets yet small enough to get no 64-bit ones."""
+    return any(a.dtype.itemsize == 1 and MAX_BYTE_ELEMENTS < a.size <= 2**32 for a in operands)
+
+
+def as_byte_pairs(a: jax.Array) -> jax.Array:
+    """e4m3 [..., K] (K even) -> uint16 [..., K/2], channel 2j in the low byte of pair j: a bitcast, no copy."""
+    return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), jnp.uint16)
+
+
+def _split_pairs(pairs):
+    """uint16 tile -> (e4m3 of its low bytes, e4m3 of its high bytes): the even and the odd channels."""
+    as_e4m3 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float8_e4m3fn)
+    return as_e4m3((pairs & 0xFF).astype(jnp.uint8)), as_e4m3((pairs >> 8).astype(jnp.uint8))
+
+
+def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, block_m, block_n, byte_pairs):
     """float32 [BM, BN]: Σ over K blocks of (x8 · w8[e]ᵀ)[rows r0.., cols n0..] · x scale (per row) · w scale (per
-    column), the K blocks in order."""
+    column), the K blocks in order. With `byte_pairs` x_ref and w_ref hold uint16 channel pairs (`as_byte_pairs`)."""
     bn, bk = block
     rows, cols = r0 + jnp.arange(block_m), n0 + jnp.arange(block_n)
     row_ok, col_ok = rows < M, cols < N
     partial_k = K % bk != 0
     one_scale_column = bn % block_n == 0
+    nt = (((1,), (1,)), ((), ()))  # contract the K dim of both: x @ w.T
+    width = 2 if byte_pairs else 1  # channels per loaded element
 
     def step(kb, acc):
-        k0 = pl.multiple_of(kb * bk, bk)
+        k0 = pl.multiple_of(kb * bk // width, bk // width)
         x_mask, w_mask, fill = row_ok[:, None], col_ok[:, None], {}
         if partial_k:
-            in_k = (k0 + jnp.arange(bk) < K)[None, :]
+            in_k = (k0 + jnp.arange(bk // width) < K // width)[None, :]
             x_mask, w_mask, fill = x_mask & in_k, w_mask & in_k, dict(other=jnp.zeros((), x_ref.dtype))
-        xt = plgpu.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, bk)], mask=x_mask, **fill)
-        wt = plgpu.load(w_ref.at[e, pl.ds(n0, block_n), pl.ds(k0, bk)], mask=w_mask, **fill)
-        part = lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        xt = plgpu.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, bk // width)], mask=x_mask, **fill)
+        wt = plgpu.load(w_ref.at[e, pl.ds(n0, block_n), pl.ds(k0, bk // width)], mask=w_mask, **fill)
+        if byte_pairs:
+            (x_even, x_odd), (w_even, w_odd) = _split_pairs(xt), _split_pairs(wt)
+            part = (lax.dot_general(x_even, w_even, nt, preferred_element_type=jnp.float32)
+                    + lax.dot_general(x_odd, w_odd, nt, preferred_element_type=jnp.float32))
+        else:
+            part = lax.dot_general(xt, wt, nt, preferred_element_type=jnp.float32)
         x_scale = plgpu.load(xs_ref.at[kb, pl.ds(r0, block_m)], mask=row_ok, other=0.0)
         if one_scale_column:
             row_scale = x_scale * ws_ref[e, n0 // bn, kb]
@@ -90,17 +123,17 @@ def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, blo
     return lax.fori_loop(0, pl.cdiv(K, bk), step, jnp.zeros((block_m, block_n), jnp.float32))
 
 
-def _dense_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, block, block_m, block_n):
+def _dense_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, block, block_m, block_n, byte_pairs):
     n0, r0 = pl.program_id(0) * block_n, pl.program_id(1) * block_m
     # The one expert's index as an array: interpret mode's load rule takes no Python int among array indices.
     acc = _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, jnp.int32(0), r0, n0, M=M, N=N, K=K, block=block, block_m=block_m,
-                       block_n=block_n)
+                       block_n=block_n, byte_pairs=byte_pairs)
     in_tile = ((r0 + jnp.arange(block_m)) < M)[:, None] & ((n0 + jnp.arange(block_n)) < N)[None, :]
     plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype), mask=in_tile)
 
 
 def _grouped_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, E,
-                    block, block_m, block_n):
+                    block, block_m, block_n, byte_pairs):
     n0, item = pl.program_id(0) * block_n, pl.program_id(1)
     e, r0 = expert_ref[item], tile_ref[item] * block_m
     rows = r0 + jnp.arange(block_m)
@@ -110,7 +143,7 @@ def _grouped_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, xs_ref, w_r
     @pl.when((e >= 0) & (e < E))
     def _product():
         acc = _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, M=M, N=N, K=K, block=block, block_m=block_m,
-                           block_n=block_n)
+                           block_n=block_n, byte_pairs=byte_pairs)
         plgpu.store(out, acc.astype(o_ref.dtype), mask=in_item)
 
     @pl.when(e == E)
@@ -120,13 +153,25 @@ def _grouped_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, xs_ref, w_r
 
 def _checked_options(block, rows, experts, options, interpret):
     """The tile options (defaults from `default_tiles`, overridden by `options`), checked for Triton."""
-    unknown = set(options) - {"block_m", "block_n", "num_warps", "num_stages"}
+    unknown = set(options) - {"block_m", "block_n", "num_warps", "num_stages", "byte_pairs"}
     if unknown:
         raise TypeError(f"unknown FP8 kernel options {sorted(unknown)}")
-    tiles = {**default_tiles(rows, experts), **{k: v for k, v in options.items() if v is not None}}
+    tiles = {**default_tiles(rows, experts), "byte_pairs": None,
+             **{k: v for k, v in options.items() if v is not None}}
     if not interpret and (problem := pallas_problem(block, tiles["block_m"], tiles["block_n"])):
         raise ValueError(problem)
     return tiles
+
+
+def _paired_operands(x8, w8, byte_pairs):
+    """(x, w, byte_pairs) as the kernel takes them: byte pairs when asked (True) or needed (None)."""
+    if byte_pairs is None:
+        byte_pairs = needs_byte_pairs(x8, w8)
+    if not byte_pairs:
+        return x8, w8, False
+    if x8.shape[-1] % 2:
+        raise ValueError(f"FP8 operands past {MAX_BYTE_ELEMENTS} elements need an even K, got K={x8.shape[-1]}")
+    return as_byte_pairs(x8), as_byte_pairs(w8), True
 
 
 def _check_operands(x8, x_scale, w8, w_scale, block):
@@ -142,14 +187,17 @@ def _check_operands(x8, x_scale, w8, w_scale, block):
 def fp8_block_matmul(x8, x_scale, w8, w_scale, *, block: tuple[int, int], out_dtype, interpret: bool = False,
                      **options):
     """x8[M, K] @ w8[N, K]ᵀ with block scales (x_scale[M, ⌈K/bk⌉], w_scale[⌈N/bn⌉, ⌈K/bk⌉]) -> out_dtype[M, N].
-    `options`: block_m, block_n, num_warps, num_stages (None or absent: `default_tiles`)."""
+    `options`: block_m, block_n, num_warps, num_stages (None or absent: `default_tiles`), byte_pairs (None or
+    absent: when an operand needs them)."""
     _check_operands(x8, x_scale, w8[None], w_scale[None], block)
     (M, K), N = x8.shape, w8.shape[0]
     if M == 0:
         return jnp.zeros((0, N), out_dtype)
     tiles = _checked_options(block, M, 1, options, interpret)
     block_m, block_n = tiles["block_m"], tiles["block_n"]
-    kernel = functools.partial(_dense_kernel, M=M, N=N, K=K, block=block, block_m=block_m, block_n=block_n)
+    x_in, w_in, byte_pairs = _paired_operands(x8, w8[None], tiles["byte_pairs"])
+    kernel = functools.partial(_dense_kernel, M=M, N=N, K=K, block=block, block_m=block_m, block_n=block_n,
+                               byte_pairs=byte_pairs)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(N, block_n), pl.cdiv(M, block_m)),
@@ -157,7 +205,7 @@ def fp8_block_matmul(x8, x_scale, w8, w_scale, *, block: tuple[int, int], out_dt
         compiler_params=plgpu.CompilerParams(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]),
         interpret=interpret,
         name="fp8_block_matmul",
-    )(x8, x_scale.T, w8[None], w_scale[None])
+    )(x_in, x_scale.T, w_in, w_scale[None])
 
 
 def fp8_block_grouped_matmul(x8, x_scale, w8, w_scale, group_sizes, *, block: tuple[int, int], out_dtype,
@@ -170,7 +218,9 @@ def fp8_block_grouped_matmul(x8, x_scale, w8, w_scale, group_sizes, *, block: tu
     tiles = _checked_options(block, M, E, options, interpret)
     block_m, block_n = tiles["block_m"], tiles["block_n"]
     schedule = make_schedule(group_sizes, M, block_m)
-    kernel = functools.partial(_grouped_kernel, M=M, N=N, K=K, E=E, block=block, block_m=block_m, block_n=block_n)
+    x_in, w_in, byte_pairs = _paired_operands(x8, w8, tiles["byte_pairs"])
+    kernel = functools.partial(_grouped_kernel, M=M, N=N, K=K, E=E, block=block, block_m=block_m, block_n=block_n,
+                               byte_pairs=byte_pairs)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(N, block_n), schedule[0].shape[0]),
@@ -178,5 +228,5 @@ def fp8_block_grouped_matmul(x8, x_scale, w8, w_scale, group_sizes, *, block: tu
         compiler_params=plgpu.CompilerParams(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]),
         interpret=interpret,
         name="fp8_block_grouped_matmul",
-    )(*schedule, x8, x_scale.T, w8, w_scale)
+    )(*schedule, x_in, x_scale.T, w_in, w_scale)
 

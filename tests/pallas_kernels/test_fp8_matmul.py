@@ -230,10 +230,11 @@ def dense(x, w8, w_scale, input_scale=None, *, block, impl, pow2=False, options=
                       interpret=True, **dict(options))
 
 
-@functools.partial(jax.jit, static_argnames=("block", "impl"))
-def grouped(x, w8, w_scale, sizes, input_scale=None, *, block, impl):
+@functools.partial(jax.jit, static_argnames=("block", "impl", "byte_pairs"))
+def grouped(x, w8, w_scale, sizes, input_scale=None, *, block, impl, byte_pairs=None):
+    options = dict(byte_pairs=byte_pairs) if impl == "pallas" else {}
     return fp8_grouped_matmul(x, w8, w_scale, sizes, block=block, input_scale=input_scale, impl=impl,
-                              interpret=True, block_m=16)
+                              interpret=True, block_m=16, **options)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "block"))
@@ -249,6 +250,8 @@ KERNEL_SHAPES = [  # M, K, N, tile options
     (37, 256, 576, dict(block_m=16, block_n=64)),  # M past the last row tile; N = 4.5 scale blocks; 2 tiles per block
     (20, 320, 192, dict(block_m=16, block_n=256)),  # a partial last K block; a column tile over two scale blocks
     (5, 384, 130, dict()),  # default tiles; N two columns past a block
+    # As channel pairs (the form of operands past 2^31 elements): a partial last K block of 32 pairs.
+    (20, 320, 192, dict(block_m=16, block_n=64, byte_pairs=True)),
 ]
 
 
@@ -298,20 +301,34 @@ GROUPED_SIZES = [
 
 
 @pytest.mark.parametrize("sizes", GROUPED_SIZES)
-@pytest.mark.parametrize("block", [BLOCK, None])
-def test_grouped_kernel_equals_the_reference(sizes, block):
+@pytest.mark.parametrize("block, byte_pairs", [(BLOCK, None), (None, None), (BLOCK, True)])
+def test_grouped_kernel_equals_the_reference(sizes, block, byte_pairs):
     E, M, K, N = 4, 40, 256, 192
     keys = jax.random.split(jax.random.key(32), 2)
     x = jax.random.normal(keys[0], (M, K))
     w8, w_scale = random_weight(keys[1], (E, N, K), block)
     input_scale = None if block else jnp.array([0.004, 0.008, 0.002, 0.01], jnp.float32)
     sizes = jnp.asarray(sizes, jnp.int32)
-    got = grouped(x, w8, w_scale, sizes, input_scale, block=block, impl="pallas")
+    got = grouped(x, w8, w_scale, sizes, input_scale, block=block, impl="pallas", byte_pairs=byte_pairs)
     want = grouped(x, w8, w_scale, sizes, input_scale, block=block, impl="xla")
     total = int(sizes.sum())
     assert_within_summation_bound(got[:total], want[:total],
                                   grouped_summation_bound(x, w8, w_scale, block, input_scale, sizes))
     assert not np.asarray(got[total:]).any()  # the kernel writes the rows past the total itself
+
+
+def test_byte_pairs_only_where_32_bit_offsets_overflow():
+    """1-byte operands of 2^31 .. 2^32 elements (DeepSeek-V3's 256 x 7168 x 2048 down projection on one device) go
+    in as channel pairs; smaller ones, and larger ones (which the lowering addresses with 64-bit offsets), do not."""
+    from pallas_kernels.fp8_matmul_pallas import as_byte_pairs, needs_byte_pairs
+
+    S, f8 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn
+    assert needs_byte_pairs(S((256, 7168, 2048), f8))
+    assert not needs_byte_pairs(S((256, 4096, 7168), f8), S((32, 7168, 2048), f8), S((256, 7168, 2048), jnp.bfloat16))
+    x = jnp.asarray([[1.0, -2.0, 0.5, 448.0]], f8)
+    pairs = np.asarray(as_byte_pairs(x))
+    assert pairs.shape == (1, 2) and pairs.dtype == np.uint16
+    assert [(p & 0xFF, p >> 8) for p in pairs[0]] == [tuple(np.asarray(x).view(np.uint8)[0, i:i + 2]) for i in (0, 2)]
 
 
 def test_weight_quantization_round_trips_within_half_an_e4m3_step():
@@ -362,6 +379,9 @@ def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
         cuda_lowering(dense, S((M, K), jnp.bfloat16), S((N, K), f8), S((-(-N // 128), -(-K // 128)), jnp.float32))
     grouped = jax.jit(lambda x, w, s, g: fp8_grouped_matmul(x, w, s, g, block=BLOCK, impl="pallas"))
     cuda_lowering(grouped, S((2048, 7168), jnp.bfloat16), S((256, 2048, 7168), f8), S((256, 16, 56), jnp.float32),
+                  S((256,), jnp.int32))
+    # The down projection of one device's 256 experts: past 2^31 e4m3 elements, as channel pairs.
+    cuda_lowering(grouped, S((2048, 2048), jnp.bfloat16), S((256, 7168, 2048), f8), S((256, 56, 16), jnp.float32),
                   S((256,), jnp.int32))
     per_tensor = jax.jit(lambda x, w, s, i, g: fp8_grouped_matmul(x, w, s, g, block=None, input_scale=i,
                                                                    impl="pallas"))
