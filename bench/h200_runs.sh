@@ -46,8 +46,8 @@ for what in "$@"; do
     long_dense) long deepseek_v32_4layer --batch 16 --dense ;;
     long_dsa_profile) long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 --profile /tmp/prof_long ;;
     fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
-        --log "$OUT/fp8.log" 2>&1 | grep -v Warning | tail -40 ;;
-    fp8_sweep) FP8_ONLY=sweep bash "$0" fp8 ;;
+        --log "$OUT/fp8_${FP8_ONLY:-main}.log" ${FP8_SWEEP:-} 2>&1 | grep -v Warning | tail -40 ;;
+    fp8_sweep) FP8_ONLY=sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
     fp8_engine) for fp8 in --fp8-block ""; do  # the FP8 GPU paths in the engine, against bf16
           JAXMODELS_FP8_GPU_PATHS=1 bench --config bench/configs/deepseek_v32_4layer.json --phases prefill,decode \
             --batches 1,32 --decode-steps 24 --prefill-chunk 4096 $fp8 2>&1 | tail -14; done ;;

@@ -248,12 +248,58 @@ def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_id
 # Whether the indexer's logits kernel also writes the group maxima the select searches (saves the select one read
 # of every logits row); False restores the select's own pass.
 FUSE_GROUP_MAX = True
+# Few rows (decode batches) leave the select kernel, one program per row, with most SMs idle, and a row past 2^17
+# keys has more group maxima than its registers hold (it then counts them from L2, pass after pass: 0.49 ms a call
+# at B=16 over 131k keys on the H200). Such rows are selected in segments of a power-of-two length: each segment's
+# top-k by its own program, about SPLIT_TARGET_PROGRAMS of them in all, then the top-k of the segments' candidates,
+# one program per row. Exact: a row's top-k lies in the union of its segments' top-k (ties included, since each
+# segment keeps its lowest positions and the candidates stay in position order, as the final pass needs).
+SPLIT_TARGET_PROGRAMS = 128
+MIN_SEGMENT_PER_K = 4  # segments of at least 4 * next_pow2(k) keys: shorter ones make the final pass the larger part
+
+
+def select_segments(n_rows: int, n_keys: int, topk: int) -> tuple[int, int] | None:
+    """(segments, keys per segment) of a split selection over rows of n_keys, or None for one program per row."""
+    shortest = MIN_SEGMENT_PER_K * next_pow2(topk)
+    wanted = min(SPLIT_TARGET_PROGRAMS // max(n_rows, 1), n_keys // shortest)
+    if wanted < 2:
+        return None
+    seg_len = max(next_pow2(pl.cdiv(n_keys, wanted) + 1) // 2, shortest)  # the power of two at or below
+    segments = pl.cdiv(n_keys, seg_len)
+    return (segments, seg_len) if segments > 1 else None
+
+
+def select_topk_in_segments(logits, gmax, kv_lens, topk: int, *, segments: int, chunk: int, interpret: bool,
+                            **select_options):
+    """`select_topk_pallas` over rows of logits [R, segments * L] (gmax [R, segments * L / GROUP]) split into
+    segments of L: each segment's top-k, then the top-k among them. Rows with at most topk visible keys take them
+    all (`visible_prefix`)."""
+    rows, n_pad = logits.shape
+    seg_len = n_pad // segments
+    starts = jnp.arange(segments, dtype=jnp.int32) * seg_len
+    seg_lens = jnp.clip(kv_lens[:, None] - starts[None, :], 0, seg_len).reshape(-1)
+    local = select_topk_pallas(logits.reshape(rows * segments, seg_len), seg_lens, topk,
+                               gmax=gmax.reshape(rows * segments, seg_len // GROUP), chunk=min(chunk, seg_len),
+                               interpret=interpret, **select_options)
+    # Candidates in position order; a segment's unused entries (−1) score -inf, below the >= topk finite candidates
+    # of every row that reaches this pass.
+    candidates = jnp.where(local >= 0, local + jnp.tile(starts, rows)[:, None], -1).reshape(rows, segments * topk)
+    n_cand = segments * topk
+    chunk2 = min(chunk, next_pow2(n_cand))
+    width = pl.cdiv(n_cand, chunk2) * chunk2
+    candidates = jnp.pad(candidates, ((0, 0), (0, width - n_cand)), constant_values=-1)
+    scores = jnp.take_along_axis(logits, jnp.maximum(candidates, 0), axis=1)
+    scores = jnp.where(candidates >= 0, scores, -jnp.inf)
+    best = select_topk_pallas(scores, jnp.full((rows,), width, jnp.int32), topk, chunk=chunk2, interpret=interpret)
+    picked = jnp.where(best >= 0, jnp.take_along_axis(candidates, jnp.maximum(best, 0), axis=1), -1)
+    return jnp.where((kv_lens > topk)[:, None], picked, visible_prefix(kv_lens, topk))
 
 
 def indexer_topk_pallas(q, weights, k_cache, *, kv_lens, topk, page_table=None, seq_ids=None, k_scale=None,
                         interpret=False, chunk: int = 2048, block_q: int | None = None,
-                        fuse_group_max: bool | None = None, **select_options):
-    """Logits kernel then select kernel; `select_options` go to `select_topk_pallas` (tiles, digit_bits, ...)."""
+                        fuse_group_max: bool | None = None, split: bool | None = None, **select_options):
+    """Logits kernel then select kernel; `select_options` go to `select_topk_pallas` (tiles, digit_bits, ...).
+    `split`: select in segments (`select_segments`); None = where it pays, False = never."""
     T = q.shape[0]
     fuse = FUSE_GROUP_MAX if fuse_group_max is None else fuse_group_max
     k_cache_n, _, page_table_n, _ = _normalise_layout(k_cache, k_scale, page_table, seq_ids, T)
@@ -261,9 +307,17 @@ def indexer_topk_pallas(q, weights, k_cache, *, kv_lens, topk, page_table=None, 
     chunk = min(chunk, max(16, next_pow2(n_keys)))
     n_pad = pl.cdiv(n_keys, chunk) * chunk
     kv_lens = jnp.minimum(kv_lens.astype(jnp.int32), n_keys)
+    segmented = select_segments(T, n_keys, topk) if split is not False and fuse else None
+    tiles = {}
+    if segmented:
+        n_pad = segmented[0] * segmented[1]
+        tiles = dict(block_kv=min(128, segmented[1]))  # key tiles within a segment
     logits = index_logits_pallas(q, weights, k_cache, kv_lens=kv_lens, page_table=page_table, seq_ids=seq_ids,
                                  k_scale=k_scale, n_pad=n_pad, block_q=block_q, group_max=GROUP if fuse else 0,
-                                 interpret=interpret)
+                                 interpret=interpret, **tiles)
     logits, gmax = logits if fuse else (logits, None)
+    if segmented:
+        return select_topk_in_segments(logits[:T], gmax[:T], kv_lens, topk, segments=segmented[0], chunk=chunk,
+                                       interpret=interpret, **select_options)
     return select_topk_pallas(logits, kv_lens, topk, gmax=gmax, n_rows=T, chunk=chunk, interpret=interpret,
                               **select_options)

@@ -183,6 +183,47 @@ def test_indexer_topk_long_rows_with_fused_group_maxima(fuse_group_max):
     assert_topk_valid(got, ref_logits, kv_lens, topk, tol=1e-5)
 
 
+def test_segmented_selection_keeps_the_lowest_positions_among_ties():
+    """The split selection (segments' top-k, then the top-k of their candidates) picks exactly what lax.top_k does,
+    ties at the k-th score included (8 distinct scores over 256 keys), for rows over every segment, rows ending
+    inside one, rows with fewer keys than k (the visible prefix) and empty rows."""
+    from pallas_kernels.indexer_topk import select_topk_in_segments
+
+    rows, n, topk = 4, 256, 16
+    logits = jax.random.randint(jax.random.key(12), (rows, n), 0, 8).astype(jnp.float32)
+    kv_lens = jnp.array([256, 200, 3, 0], jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    gmax = jax.vmap(lambda row, m: masked_keys_and_group_max(row, pos, m, 4)[1])(logits, kv_lens)
+    got = np.asarray(select_topk_in_segments(logits, gmax, kv_lens, topk, segments=4, chunk=64, interpret=True))
+    want = np.asarray(topk_reference(jnp.where(pos[None, :] < kv_lens[:, None], logits, -jnp.inf), kv_lens, topk))
+    np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(want, axis=1))
+    np.testing.assert_array_equal(got[2], [0, 1, 2] + [-1] * 13)  # listed first, in order
+
+
+def test_split_and_whole_row_selections_agree():
+    """indexer_topk_pallas with and without the split selection on a paged decode batch (few rows, long rows)."""
+    q, w, k_cache, page_table = _paged_problem(jax.random.key(13), T=3, Hi=4, D=16, page_size=8, max_pages=16,
+                                               num_pages=40)
+    kw = dict(kv_lens=jnp.array([128, 77, 9], jnp.int32), page_table=page_table,
+              seq_ids=jnp.array([0, 1, 1], jnp.int32))
+    from pallas_kernels.indexer_topk import select_segments
+
+    assert select_segments(3, 128, 8) == (4, 32)
+    split = indexer_topk_pallas(q, w, k_cache, topk=8, chunk=32, split=True, interpret=True, **kw)
+    whole = indexer_topk_pallas(q, w, k_cache, topk=8, chunk=32, split=False, interpret=True, **kw)
+    np.testing.assert_array_equal(np.sort(np.asarray(split), axis=1), np.sort(np.asarray(whole), axis=1))
+    assert_topk_valid(split, index_logits_reference(q, w, k_cache, **kw), kw["kv_lens"], 8, tol=1e-5)
+
+
+def test_segments_only_for_few_long_rows():
+    from pallas_kernels.indexer_topk import select_segments
+
+    assert select_segments(16, 131136, 2048) == (9, 16384)  # a 128k decode batch: 144 programs, not 16
+    assert select_segments(1, 131072, 2048) == (16, 8192)
+    assert select_segments(128, 131072, 2048) is None  # enough rows already
+    assert select_segments(16, 8192, 2048) is None  # too short to split
+
+
 def test_indexer_topk_contiguous_bf16():
     S, L, Hi, D, topk = 2, 64, 4, 16, 8
     key = jax.random.key(4)
@@ -237,6 +278,12 @@ def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
                                                                seq_ids=s, topk=2048, fuse_group_max=fuse)),
             S((64, 64, 128), jnp.bfloat16), S((64, 64), jnp.float32), S((512, 64, 128), jnp.float8_e4m3fn),
             S((512, 64), jnp.float32), S((2, 256), jnp.int32), S((64,), jnp.int32), S((64,), jnp.int32))
+    # A decode batch of 16 rows over 131,136 keys: the split selection (9 segments of 16,384, then the candidates).
+    cuda_lowering(jax.jit(
+        lambda q, w, k, ks, pt, s, n: indexer_topk_pallas(q, w, k, k_scale=ks, kv_lens=n, page_table=pt, seq_ids=s,
+                                                           topk=2048)),
+        S((16, 64, 128), jnp.bfloat16), S((16, 64), jnp.float32), S((4096, 64, 128), jnp.float8_e4m3fn),
+        S((4096, 64), jnp.float32), S((16, 2049), jnp.int32), S((16,), jnp.int32), S((16,), jnp.int32))
 
 
 @pytest.mark.gpu
