@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|mla_b128|mla_small|fp8|fp8_sweep|fp8_engine ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|fp8|fp8_sweep|fp8_engine ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -44,6 +44,8 @@ for what in "$@"; do
     long_nano9b) long nemotron_h_nano9b --batch 8 ;;
     long_dsa) long deepseek_v32_4layer --batch 16 ;;
     long_dense) long deepseek_v32_4layer --batch 16 --dense ;;
+    long_128k) for dense in "" --dense; do  # sparse against dense at 128k, decode only, in one run
+          long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 $dense; done ;;
     long_dsa_profile) long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 --profile /tmp/prof_long ;;
     fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
         --log "$OUT/fp8_${FP8_ONLY:-main}.log" ${FP8_SWEEP:-} 2>&1 | grep -v Warning | tail -40 ;;

@@ -47,14 +47,21 @@ from .grouped_matmul import default_block_m, make_schedule
 
 
 def default_tiles(rows: int, experts: int = 1) -> dict:
-    """Tile options for `rows` rows (over `experts` groups): starting points for Hopper FP8 until the H200 sweep
-    (bench/fp8_kernels.py --sweep) replaces them.
+    """Tile options for `rows` rows (over `experts` groups).
 
-    Prefill-sized tiles are 128 x 128 with 8 warps (two warpgroups, one 64-row wgmma each) and 4 stages of
-    (128 + 128) x 128 bytes, 128 KiB of the 227 KiB shared memory. Small batches read the weights once whatever the
-    row tile, so the row tile shrinks to the rows there are (Triton's dot takes 16 at least) and the column tile to
-    64: more programs than SMs even at N = 7168, and 4 warps suffice for 16-32-row tiles."""
+    Dense: the best of the H200 sweep (`bench/fp8_kernels.py --sweep`, 2026-12-01, K = 7168, N = 18432): 128 x 64 on
+    4 warps from 1024 rows (M = 4096: 3.10 ms against 3.29 for 128 x 128 on 8), 64 x 64 below (M = 128: 0.129 ms
+    against 0.210), 16 x 32 for a few rows (M = 16: 0.044 ms against 0.049).
+
+    Grouped (not swept yet): 128 x 128 with 8 warps (two warpgroups, one 64-row wgmma each) and 4 stages of
+    (128 + 128) x 128 bytes, 128 KiB of the 227 KiB shared memory, for prefill-sized groups; decode batches read the
+    weights once whatever the row tile, so the row tile shrinks to the rows there are (Triton's dot takes 16 at
+    least) and the column tile to 64: more programs than SMs even at N = 7168, and 4 warps suffice."""
     block_m = default_block_m(rows, experts)
+    if experts == 1:
+        if block_m >= 64:
+            return dict(block_m=128 if rows >= 1024 else 64, block_n=64, num_warps=4, num_stages=4)
+        return dict(block_m=block_m, block_n=32, num_warps=4, num_stages=4)
     if block_m >= 64:
         return dict(block_m=block_m, block_n=128, num_warps=8 if block_m == 128 else 4, num_stages=4)
     return dict(block_m=block_m, block_n=64, num_warps=4, num_stages=4)

@@ -390,8 +390,8 @@ def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", [BLOCK, None])
-def test_compiled_kernels_on_gpu(block):
+@pytest.mark.parametrize("block, byte_pairs", [(BLOCK, None), (None, None), (BLOCK, True)])
+def test_compiled_kernels_on_gpu(block, byte_pairs):
     """The compiled kernels: Hopper's FP8 MMA accumulates each 128-term K block with fewer bits than float32 (about
     14, DeepSeek-V3 report §3.3.2), so the kernel's sum is within about 2^-13·Σ|t| of the exact one, not (K + 3)·2^-24:
     the bound here is twice that, 2^-12·Σ|t_k|, still far below a wrong block's error."""
@@ -402,7 +402,8 @@ def test_compiled_kernels_on_gpu(block):
     input_scale = None if block else jnp.array([0.004, 0.008, 0.002, 0.01], jnp.float32)
     sizes = jnp.array([100, 0, 150, 30], jnp.int32)
     options = dict(block=block, input_scale=input_scale)
-    got = jax.jit(lambda *a: fp8_grouped_matmul(*a, impl="pallas", **options))(x, w8, w_scale, sizes)
+    got = jax.jit(lambda *a: fp8_grouped_matmul(*a, impl="pallas", byte_pairs=byte_pairs, **options))(
+        x, w8, w_scale, sizes)
     want = fp8_grouped_matmul(x, w8, w_scale, sizes, impl="xla", **options)
     bound = grouped_summation_bound(x, w8, w_scale, block, input_scale, sizes)
     assert_within_summation_bound(got[:280], want[:280], bound * 2.0 ** 11 / (K + 3))
@@ -410,6 +411,6 @@ def test_compiled_kernels_on_gpu(block):
     if block:  # dense, and with a partial last K block (zero-filled e4m3 loads)
         for k in [K, 200]:
             operands = (x[:, :k], w8[0, :, :k], w_scale[0, :, :-(-k // 128)])
-            got = jax.jit(lambda *a: fp8_matmul(*a, block=BLOCK, impl="pallas"))(*operands)
+            got = jax.jit(lambda *a: fp8_matmul(*a, block=BLOCK, impl="pallas", byte_pairs=byte_pairs))(*operands)
             want = fp8_matmul(*operands, block=BLOCK, impl="xla")
             assert_within_summation_bound(got, want, summation_bound(*operands, BLOCK) * 2.0 ** 11 / (k + 3))
