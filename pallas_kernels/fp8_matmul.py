@@ -50,10 +50,11 @@ FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 AMAX_FLOOR = 1e-4  # DeepSeek's act_quant clamps a group's amax here
 IMPLS = ("auto", "pallas", "xla", "xla_fp8")  # xla_fp8: per-tensor fp8_matmul only
-# Whether `auto` takes the GPU paths on a GPU. Not yet: on the H200 they have not passed `bench/fp8_kernels.py --check`
-# against the reference since it keeps the activations' e4m3 rounding (`_to_e4m3`); until then `auto` runs the
-# reference there too, and impl="pallas" / "xla_fp8" ask for the GPU paths explicitly (JAXMODELS_FP8_GPU_PATHS=1 makes
-# `auto` take them, to measure the engine with them: bench/h200_runs.sh fp8_engine).
+# Whether `auto` takes the GPU paths on a GPU. Not yet. On the H200 (2026-12-01 03:58 UTC) they passed
+# `bench/fp8_kernels.py --check` (block kernels 1e-6..4e-6 of the largest output, the per-tensor cuBLASLt dot with
+# float32 accumulation 0..1.3e-4) and the compiled-kernel tests, but the engine has not run on them: until
+# `bash bench/h200_runs.sh fp8_engine` and the GPU suite with this set have, `auto` runs the reference there too.
+# impl="pallas" / "xla_fp8" ask for the GPU paths explicitly, and JAXMODELS_FP8_GPU_PATHS=1 makes `auto` take them.
 GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS") == "1"
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
 PER_TENSOR_BLOCK = (128, 128)
