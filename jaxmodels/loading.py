@@ -2,6 +2,7 @@
 same from a transformers model already in memory."""
 
 import dataclasses
+import logging
 import re
 
 import jax.numpy as jnp
@@ -17,12 +18,18 @@ from jaxmodels.hub import resolve_model_path
 from jaxmodels.nnx_params import merge_params, model_params
 from jaxmodels.quantization import check_mode, dequantized
 
+log = logging.getLogger("jaxmodels")
+# ModelOpt's FP8 KV-cache scales (see jaxmodels.configs.quantization): read past, the cache keeps the model's dtype.
+KV_CACHE_SCALES = (r"\.k_proj\.k_scale$", r"\.v_proj\.v_scale$")
+
 
 def checkpoint_ignore_patterns(config, *, load_mtp: bool = True) -> tuple[str, ...]:
     """Checkpoint tensors that exist but that the model does not use (regexes over normalized names): among them
     the MTP layers' copies of the target's embedding and LM head, or with `load_mtp=False` all of the MTP layers'
     tensors."""
     patterns = [r"rotary_emb\.inv_freq$"]
+    if _has_kv_cache_scales(config):
+        patterns += KV_CACHE_SCALES
     if getattr(config, "tie_word_embeddings", False):
         patterns.append(r"^lm_head\.weight$")
     model = model_class(config)
@@ -32,6 +39,11 @@ def checkpoint_ignore_patterns(config, *, load_mtp: bool = True) -> tuple[str, .
         else:
             patterns.append(f"^{re.escape(prefix)}")
     return tuple(patterns)
+
+
+def _has_kv_cache_scales(config) -> bool:
+    quantization = getattr(config, "quantization", None)
+    return bool(quantization and quantization.kv_cache_scales)
 
 
 def checkpoint_rules(config) -> tuple:
@@ -63,6 +75,8 @@ def build_from_reader(config, reader, dtype, *, load_mtp: bool = True, progress:
     their FP8 weights and scales, or with quantization="dequantize" become dense layers in `dtype`."""
     check_mode(quantization)
     ignore = checkpoint_ignore_patterns(config, load_mtp=load_mtp)
+    if _has_kv_cache_scales(config):
+        log.info("the checkpoint's FP8 KV-cache scales go unused: the KV cache keeps the model's dtype (%s)", dtype)
     if not load_mtp:
         config = without_mtp(config)
     graphdef, state, abstract = abstract_model(config, dtype, matmul_precision)

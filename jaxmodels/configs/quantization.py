@@ -7,7 +7,10 @@ Two published formats:
     `modules_to_not_convert` names modules left unquantized.
   * `quant_method: "modelopt"`, `quant_algo: "FP8"` (NVIDIA's FP8 Nemotron-H): one float32 `weight_scale` per weight
     and a static `input_scale` per layer. The exclusions are `ignore` (config.json) or, in the layout of
-    `hf_quant_config.json` nested under `quantization`, `exclude_modules`; ModelOpt writes wildcards there.
+    `hf_quant_config.json` nested under `quantization`, `exclude_modules`; ModelOpt writes wildcards there. With
+    `kv_cache_quant_algo: "FP8"` the attention layers also carry the static scales of an FP8 KV cache, one float32
+    `k_proj.k_scale` and `v_proj.v_scale` each (ModelOpt's unified export); our KV cache keeps the model's dtype, as
+    vLLM's and SGLang's do unless asked for FP8 (`kv_cache_dtype`), so they are read past.
 Which layers a checkpoint quantizes is otherwise the family's published fact (see jaxmodels.quantization).
 """
 
@@ -23,6 +26,7 @@ class Fp8Config:
     block: tuple[int, int] | None  # (rows, columns) of the weight one scale covers; None: one scale per tensor
     pow2_scales: bool = False  # activation scales are powers of two (`scale_fmt: ue8m0`)
     unquantized: tuple[str, ...] = ()  # checkpoint module names (ModelOpt wildcards allowed) kept unquantized
+    kv_cache_scales: bool = False  # the attention layers carry FP8 KV-cache scales (k_proj.k_scale, v_proj.v_scale)
 
 
 def fp8_config_from_hf(raw: dict) -> Fp8Config | None:
@@ -65,4 +69,9 @@ def _modelopt_fp8(quant: dict) -> Fp8Config:
         raise ConfigError("quantization_config", f"modelopt quant_algo {algo!r} is not supported; only 'FP8' "
                                                  "(per-tensor weight and static activation scales)")
     excluded = nested.get("exclude_modules") if nested is not None else quant.get("ignore")
-    return Fp8Config(block=None, unquantized=tuple(excluded or ()))
+    kv_cache = (nested or quant).get("kv_cache_quant_algo")
+    if kv_cache is not None and str(kv_cache).upper() != "FP8":
+        raise ConfigError("quantization_config", f"modelopt kv_cache_quant_algo {kv_cache!r} is not supported; None "
+                                                 "or 'FP8' (whose scales go unused: the KV cache keeps the model's "
+                                                 "dtype)")
+    return Fp8Config(block=None, unquantized=tuple(excluded or ()), kv_cache_scales=kv_cache is not None)

@@ -2,11 +2,13 @@
 
 A scale that does not fit its weight names both; a missing scale is named; FP8 values where the model expects dense
 ones (or the reverse) are refused; a config's list of unquantized modules is honored; an unknown `quant_method` or
-ModelOpt algorithm is a config error naming it. The MTP layers of an FP8 checkpoint load in FP8 too (their
+ModelOpt algorithm is a config error naming it; ModelOpt's FP8 KV-cache scales are read past where the config declares
+them. The MTP layers of an FP8 checkpoint load in FP8 too (their
 `eh_proj` stays dense, as published), and an FP8 model round-trips through the orbax cache. The safetensors reader
 reads the dtypes published checkpoints hold (bfloat16, FP8).
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,7 +30,7 @@ from jaxmodels.families import abstract_model, load_config
 from jaxmodels.layers.fp8_linear import Fp8Linear
 from jaxmodels.nnx_params import model_params
 from tests.fp8_bounds import EPSILON, GEMMS_IN_SERIES
-from tests.hf_fp8 import DSA_QUANTIZATION_CONFIG, DSA_QUANTIZED, quantize_checkpoint
+from tests.hf_fp8 import DSA_QUANTIZATION_CONFIG, DSA_QUANTIZED, make_fp8_case, quantize_checkpoint
 from tests.hf_models import DSA_BASE, make_dsa, save
 from tests.hf_mtp import save_with_mtp
 from tests.numerics import rms_relative_error
@@ -143,6 +145,45 @@ def test_published_quantization_configs_parse():
     assert fp8_config_from_hf({"quantization_config": flat}) == expected
     assert fp8_config_from_hf({"quantization_config": nested}) == expected
     assert fp8_config_from_hf({}) is None
+    with_kv = {**flat, "kv_cache_quant_algo": "FP8"}
+    assert fp8_config_from_hf({"quantization_config": with_kv}) == dataclasses.replace(expected, kv_cache_scales=True)
+    with pytest.raises(ConfigError, match="kv_cache_quant_algo 'NVFP4' is not supported"):
+        fp8_config_from_hf({"quantization_config": {**flat, "kv_cache_quant_algo": "NVFP4"}})
+
+
+def with_kv_cache_scales(checkpoint, destination, *, declared: bool) -> str:
+    """The checkpoint plus ModelOpt's FP8 KV-cache scales on every attention layer (and, when `declared`, the
+    config's kv_cache_quant_algo)."""
+    def add(tensors):
+        for name in [n for n in tensors if n.endswith(".mixer.k_proj.weight")]:
+            layer = name[: -len("k_proj.weight")]
+            tensors[layer + "k_proj.k_scale"] = torch.tensor(0.02)
+            tensors[layer + "v_proj.v_scale"] = torch.tensor(0.03)
+
+    path = edited(checkpoint, destination, add)
+    if declared:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["quantization_config"]["kv_cache_quant_algo"] = "FP8"
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+    return path
+
+
+def test_modelopt_kv_cache_scales_are_read_past(tmp_path):
+    """A ModelOpt FP8 Nemotron-H checkpoint with an FP8 KV cache declared loads (its k/v scales unused, the cache
+    keeping the model's dtype) and computes what the same checkpoint without them does; undeclared, the scales are
+    unexpected tensors, as any other would be."""
+    ids = np.random.default_rng(2).integers(0, 97, size=(1, 7))
+    plain = make_fp8_case("nemotron_h", tmp_path / "case", calibration_ids=[ids]).fp8_dir
+    scaled = with_kv_cache_scales(plain, tmp_path / "kv", declared=True)
+    ids = jnp.asarray(ids)
+    want = jaxmodels.load_model(plain, progress=False)(ids)
+    got = jaxmodels.load_model(scaled, progress=False)(ids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    undeclared = with_kv_cache_scales(plain, tmp_path / "kv_undeclared", declared=False)
+    with pytest.raises(CheckpointError, match=r"unexpected(.|\n)*mixer\.k_proj\.k_scale"):
+        jaxmodels.load_model(undeclared, progress=False)
 
 
 def mtp_logits(model, hidden, ids) -> np.ndarray:
