@@ -29,7 +29,9 @@ Pallas path (two kernels, Triton lowering, `interpret=True` on CPU):
      and (`FUSE_GROUP_MAX`) the maxima of each group of 4 logits as order keys, `[T, Npad / 4]`.
   2. `select_topk` (`topk_select.py`): one program per row, an exact selection without sorting: a bound from the
      group maxima (in registers), the <= 4·k keys of the groups above it gathered into registers, the exact k-th
-     key among them, one emission pass. It reads the logits row only for those candidates.
+     key among them, one emission pass. It reads the logits row only for those candidates. Few long rows (decode
+     batches) are selected in segments instead (`select_segments`, `select_topk_in_segments`): each segment's top-k
+     on its own program, then the top-k of their candidates, so that the batch fills the GPU.
 """
 
 from __future__ import annotations
@@ -299,7 +301,7 @@ def indexer_topk_pallas(q, weights, k_cache, *, kv_lens, topk, page_table=None, 
                         interpret=False, chunk: int = 2048, block_q: int | None = None,
                         fuse_group_max: bool | None = None, split: bool | None = None, **select_options):
     """Logits kernel then select kernel; `select_options` go to `select_topk_pallas` (tiles, digit_bits, ...).
-    `split`: select in segments (`select_segments`); None = where it pays, False = never."""
+    `split`: False never selects in segments; otherwise `select_segments` decides (where it pays)."""
     T = q.shape[0]
     fuse = FUSE_GROUP_MAX if fuse_group_max is None else fuse_group_max
     k_cache_n, _, page_table_n, _ = _normalise_layout(k_cache, k_scale, page_table, seq_ids, T)
