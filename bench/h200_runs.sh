@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|fp8|fp8_sweep|fp8_engine ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|fp8|fp8_sweep|fp8_engine|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -57,6 +57,10 @@ for what in "$@"; do
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     mla_small) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --only mla_decode --mla-batches 16,32 \
         --log "$OUT/mla_small.log" 2>&1 | grep -v Warning | grep "B=" | tail -40 ;;
+    fp8_models) JAXMODELS_FP8_GPU_PATHS=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 8 \
+        -p no:cacheprovider tests/jaxmodels/test_fp8_checkpoints.py tests/bridge/test_fp8_loading.py \
+        tests/pallas_kernels/test_fp8_matmul.py tests/sharding/test_sharded.py::test_sharded_fp8_serving_follows_one_device \
+        2>&1 | tail -15 ;;  # the FP8 models on the GPU paths (what flipping GPU_PATHS_VERIFIED would run)
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
   esac
 done
