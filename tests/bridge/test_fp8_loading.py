@@ -47,6 +47,8 @@ def fp8_checkpoint(tmp_path_factory):
 
 
 def edited(checkpoint, destination, edit) -> str:
+    """A copy of the checkpoint with its tensors edited as torch tensors (numpy has no e4m3; `edited_copy` of
+    test_loading_errors edits numpy arrays)."""
     shutil.copytree(checkpoint, destination)
     path = os.path.join(destination, "model.safetensors")
     tensors = load_file(path)
