@@ -13,7 +13,8 @@ Sections:
     with w as [K, N] and with the checkpoint's [N, K] layout, the XLA dot of two e4m3 operands in cuBLASLt's TN
     layout (no scales: the library's ceiling), the per-tensor `fp8_matmul` on it (impl xla_fp8: quantization and
     scales included), and the block-scaled Pallas kernel with the activation quantization and without (kernel only).
-  * sweep (--sweep): tile options (block_m, block_n, num_warps, num_stages) of the block kernel at those shapes.
+  * sweep (--sweep): tile options (block_m, block_n, num_warps, num_stages) of the block kernel at those shapes;
+    grouped_sweep (--sweep too): the grouped kernel's, at 128 experts (the plain path) and 256 (byte pairs).
   * grouped: DeepSeek's routed experts, E = 256, hidden 7168 <-> moe_intermediate 2048, top-8 of uniformly random
     routing, 4096 and 256 tokens (x8 rows): the FP8 grouped kernel (with and without quantization) against our bf16
     `grouped_matmul` on the same shapes.
@@ -39,7 +40,8 @@ from dsa_kernels import routed_sizes
 from kernel_report import ROWS, open_log, say, section, timeit
 from pallas_kernels.fp8_matmul import (fp8_grouped_matmul, fp8_matmul, fp8_matmul_xla_fp8, quantize_activations,
                                        quantize_static, quantize_weight)
-from pallas_kernels.fp8_matmul_pallas import default_tiles, fp8_block_grouped_matmul, fp8_block_matmul
+from pallas_kernels.fp8_matmul_pallas import (default_tiles, fp8_block_grouped_matmul, fp8_block_matmul,
+                                              needs_byte_pairs)
 from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul_pallas
 
 BLOCK = (128, 128)
@@ -284,12 +286,54 @@ def grouped():
         del w8, w_scale, w_bf16
 
 
+# Tiles of the grouped kernel, kernel only, at the up/gate shape: 128 experts (1.9 G e4m3 elements: the plain path,
+# as one device of a model sharded two ways or more holds) and 256 (byte pairs), decode (256 tokens) and prefill.
+GROUPED_SWEEP = {
+    256: tile_options((16, 64, 4, 4), (16, 128, 4, 4), (16, 32, 4, 4), (16, 64, 4, 6), (32, 64, 4, 4),
+                      (16, 128, 8, 3)),
+    4096: tile_options((128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3), (64, 64, 4, 4)),
+}
+
+
+@section
+def grouped_sweep():
+    K, N, topk = SHAPES.hidden, SHAPES.intermediate, SHAPES.topk
+    for E in (SHAPES.experts // 2, SHAPES.experts):
+        w8, w_scale = random_fp8_weight(jax.random.key(E), (E, N, K))
+        w_bf16 = jax.random.normal(jax.random.key(N), (E, K, N), jnp.bfloat16)
+        for tokens, variants in (GROUPED_SWEEP if not INTERPRET else {24: tile_options((16, 64, 4, 2))}).items():
+            M = tokens * topk
+            flops = 2 * M * K * N
+            x = random_activations(jax.random.key(tokens), M, K)
+            sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
+            x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
+            say(f"\n  grouped sweep E={E} K={K} N={N} tokens={tokens} (M={M}; byte pairs "
+                f"{needs_byte_pairs(w8)}; default {default_tiles(M, E)})")
+            bf16 = time_row(f"bf16 grouped_matmul block_m={default_block_m(M, E)}",
+                            jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, interpret=INTERPRET)),
+                            x, w_bf16, sizes, flops=flops)
+            timings = []
+            for options in variants:
+                kernel = jax.jit(lambda a, s, b, c, d, o=options: fp8_block_grouped_matmul(
+                    a, s, b, c, d, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET, **o))
+                try:
+                    timings.append((time_row(f"{options}", kernel, x8, x_scale, w8, w_scale, sizes, flops=flops,
+                                             baseline=bf16, target_s=0.08), options))
+                except Exception as e:  # noqa: BLE001 (a tile Triton cannot compile: report it, keep sweeping)
+                    say(f"  {options}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            if timings:
+                t, best = min(timings, key=lambda pair: pair[0])
+                ROWS.append(f"grouped sweep E={E} tokens={tokens}: best {best} {t * 1e3:.3f} ms = x{bf16 / t:.2f} "
+                            f"bf16 grouped_matmul")
+        del w8, w_scale, w_bf16
+
+
 def main():
     global SHAPES, INTERPRET
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="correctness of the compiled kernels first")
     ap.add_argument("--sweep", action="store_true", help="time tile options of the block kernel")
-    ap.add_argument("--only", default="", help="comma list of sections: check,dense,sweep,grouped")
+    ap.add_argument("--only", default="", help="comma list of sections: check,dense,sweep,grouped,grouped_sweep")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run: interpret mode, tiny shapes")
     ap.add_argument("--log", default=None)
     args = ap.parse_args()
@@ -310,6 +354,8 @@ def main():
         sweep()
     if want("grouped"):
         grouped()
+    if args.sweep and want("grouped_sweep"):
+        grouped_sweep()
     say("\n=== summary")
     for r in ROWS:
         say(r)

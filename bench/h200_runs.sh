@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|fp8|fp8_sweep|fp8_engine|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -50,6 +50,7 @@ for what in "$@"; do
     fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
         --log "$OUT/fp8_${FP8_ONLY:-main}.log" ${FP8_SWEEP:-} 2>&1 | grep -v Warning | tail -40 ;;
     fp8_sweep) FP8_ONLY=sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
+    fp8_gsweep) FP8_ONLY=grouped_sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
     fp8_engine) for fp8 in --fp8-block ""; do  # the FP8 GPU paths in the engine, against bf16
           JAXMODELS_FP8_GPU_PATHS=1 bench --config bench/configs/deepseek_v32_4layer.json --phases prefill,decode \
             --batches 1,32 --decode-steps 24 --prefill-chunk 4096 $fp8 2>&1 | tail -14; done ;;
