@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu_check.sh            # tests + kernel checks
 #   bash bench/gpu_check.sh tests      # tests only
+#   GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash bench/gpu_check.sh tests   # a part of the suite
 #
 # On one H200 (16 cores) the suite runs in 8 workers sharing the GPU: JAX allocates GPU memory as it needs it
 # instead of preallocating 75% per process, XLA's compilations go to a persistent cache, and torch (CPU, for the
@@ -17,7 +18,9 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxmodels-jax
 workers=${GPU_CHECK_WORKERS:-8}
 
 start=$SECONDS
-python3 -m pytest -q -n "$workers" -p no:cacheprovider --durations=15 tests/ 2>&1 | tee "$OUT/gpu_tests.log"
+# shellcheck disable=SC2086  # the test paths are words
+python3 -m pytest -q -n "$workers" -p no:cacheprovider --durations=15 ${GPU_CHECK_TESTS:-tests/} 2>&1 \
+    | tee "$OUT/gpu_tests.log"
 tests_status=${PIPESTATUS[0]}
 tests_s=$((SECONDS - start))
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,6 +12,9 @@ for what in "$@"; do
   echo "=== $what $(date -u +%T)"
   case $what in
     suite) OUT=$OUT bash bench/gpu_check.sh tests > "$OUT/suite_stdout.log" 2>&1; tail -25 "$OUT/gpu_tests.log"; cat "$OUT/summary.txt" ;;
+    # The suite in two calls of about 5 minutes each (whole, it took 596 s of a call's 600 on 2026-12-01).
+    suite_a) GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash "$0" suite ;;
+    suite_b) GPU_CHECK_TESTS="tests/jaxmodels tests/bridge tests/sharding tests/serve" bash "$0" suite ;;
     spec) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 1,32 --ks 1,2,3 \
         --json "$OUT/spec.json" 2>&1 | grep -v Warning | tail -30 ;;
     spec_profile) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 32 --ks 1 \
