@@ -13,8 +13,9 @@ for what in "$@"; do
   case $what in
     suite) OUT=$OUT bash bench/gpu_check.sh tests > "$OUT/suite_stdout.log" 2>&1; tail -25 "$OUT/gpu_tests.log"; cat "$OUT/summary.txt" ;;
     # The suite in two calls of about 5 minutes each (whole, it took 596 s of a call's 600 on 2026-12-01).
-    suite_a) GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash "$0" suite ;;
-    suite_b) GPU_CHECK_TESTS="tests/jaxmodels tests/bridge tests/sharding tests/serve" bash "$0" suite ;;
+    suite_a) OUT="$OUT/suite_a" GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash "$0" suite ;;
+    suite_b) OUT="$OUT/suite_b" GPU_CHECK_TESTS="tests/jaxmodels tests/bridge tests/sharding tests/serve" \
+        bash "$0" suite ;;
     spec) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 1,32 --ks 1,2,3 \
         --json "$OUT/spec.json" 2>&1 | grep -v Warning | tail -30 ;;
     spec_profile) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 32 --ks 1 \
