@@ -116,6 +116,19 @@ def time_row(label, f, *args, flops, baseline=None, target_s=0.15):
     return t
 
 
+def time_tiles(variants, kernel_with, args, *, flops, baseline=None):
+    """Times `kernel_with(options)(*args)` for each tile options dict, one row each; (seconds, options) of the
+    fastest, or None when none compiled."""
+    timings = []
+    for options in variants:
+        try:
+            timings.append((time_row(f"{options}", kernel_with(options), *args, flops=flops, baseline=baseline,
+                                     target_s=0.08), options))
+        except Exception as e:  # noqa: BLE001 (a tile Triton cannot compile: report it, keep sweeping)
+            say(f"  {options}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    return min(timings, key=lambda pair: pair[0]) if timings else None
+
+
 def relative_max_error(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
@@ -240,17 +253,11 @@ def sweep():
         x, w8, w_scale = dense_operands(M)
         x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
         say(f"\n  sweep M={M} K={K} N={N} (kernel only; default {default_tiles(M)})")
-        timings = []
-        for options in variants:
-            kernel = jax.jit(lambda a, s, b, c, o=options: fp8_block_matmul(
-                a, s, b, c, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET, **o))
-            try:
-                timings.append((time_row(f"{options}", kernel, x8, x_scale, w8, w_scale, flops=flops,
-                                         target_s=0.08), options))
-            except Exception as e:  # noqa: BLE001 (a tile Triton cannot compile: report it, keep sweeping)
-                say(f"  {options}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        if timings:
-            t, best = min(timings, key=lambda pair: pair[0])
+        fastest = time_tiles(variants, lambda o: jax.jit(lambda a, s, b, c: fp8_block_matmul(
+            a, s, b, c, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET, **o)),
+            (x8, x_scale, w8, w_scale), flops=flops)
+        if fastest:
+            t, best = fastest
             ROWS.append(f"sweep M={M}: best {best} {t * 1e3:.3f} ms = {flops / t / 1e12:.0f} TFLOP/s")
 
 
@@ -312,17 +319,11 @@ def grouped_sweep():
             bf16 = time_row(f"bf16 grouped_matmul block_m={default_block_m(M, E)}",
                             jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, interpret=INTERPRET)),
                             x, w_bf16, sizes, flops=flops)
-            timings = []
-            for options in variants:
-                kernel = jax.jit(lambda a, s, b, c, d, o=options: fp8_block_grouped_matmul(
-                    a, s, b, c, d, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET, **o))
-                try:
-                    timings.append((time_row(f"{options}", kernel, x8, x_scale, w8, w_scale, sizes, flops=flops,
-                                             baseline=bf16, target_s=0.08), options))
-                except Exception as e:  # noqa: BLE001 (a tile Triton cannot compile: report it, keep sweeping)
-                    say(f"  {options}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-            if timings:
-                t, best = min(timings, key=lambda pair: pair[0])
+            fastest = time_tiles(variants, lambda o: jax.jit(lambda a, s, b, c, d: fp8_block_grouped_matmul(
+                a, s, b, c, d, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET, **o)),
+                (x8, x_scale, w8, w_scale, sizes), flops=flops, baseline=bf16)
+            if fastest:
+                t, best = fastest
                 ROWS.append(f"grouped sweep E={E} tokens={tokens}: best {best} {t * 1e3:.3f} ms = x{bf16 / t:.2f} "
                             f"bf16 grouped_matmul")
         del w8, w_scale, w_bf16
