@@ -65,6 +65,11 @@ def _repeat_to(scale: jax.Array, block: int, size: int, axis: int) -> jax.Array:
     return lax.slice_in_dim(jnp.repeat(scale, block, axis=axis), 0, size, axis=axis)
 
 
+def _per_element(scale: jax.Array, block: tuple[int, int], shape: tuple[int, int]) -> jax.Array:
+    """Block scales [..., ⌈N/bn⌉, ⌈K/bk⌉] expanded to one per element of a [..., N, K] weight."""
+    return _repeat_to(_repeat_to(scale, block[0], shape[0], axis=-2), block[1], shape[1], axis=-1)
+
+
 def _blocks(size: int, block: int) -> int:
     return -(-size // block)
 
@@ -123,7 +128,7 @@ def quantize_weight(w: jax.Array, block: tuple[int, int] | None):
     padded = jnp.pad(wf, [(0, 0)] * (w.ndim - 2) + [(0, rows * bn - n), (0, cols * bk - k)])
     amax = jnp.abs(padded.reshape(*w.shape[:-2], rows, bn, cols, bk)).max((-3, -1))
     scale = jnp.where(amax > 0, amax * jnp.float32(1 / FP8_MAX), 1.0)
-    w8 = _to_e4m3(wf, _repeat_to(_repeat_to(scale, bn, n, axis=-2), bk, k, axis=-1))
+    w8 = _to_e4m3(wf, _per_element(scale, (bn, bk), (n, k)))
     return w8, (scale if block else scale[..., 0, 0])
 
 
@@ -133,9 +138,7 @@ def dequantize_weight(w: jax.Array, w_scale: jax.Array, block: tuple[int, int] |
     wf = w.astype(jnp.float32)
     if block is None:
         return wf * jnp.reshape(w_scale, w_scale.shape + (1, 1))
-    n, k = w.shape[-2:]
-    scale = _repeat_to(_repeat_to(w_scale, block[0], n, axis=-2), block[1], k, axis=-1)
-    return wf * scale
+    return wf * _per_element(w_scale, block, w.shape[-2:])
 
 
 def _dequantized_input(x, block, input_scale, pow2_scales):
