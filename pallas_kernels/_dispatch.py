@@ -8,6 +8,13 @@ import jax
 log = logging.getLogger("pallas_kernels")
 
 IMPLS = ("auto", "pallas", "xla")
+# Pallas' Triton lowering computes a ref's element offsets in 32-bit integers unless the array is larger than 2^32
+# bytes (jax/_src/pallas/triton/lowering.py, `_compute_offsets_from_indices`): an array of 1-byte elements between
+# 2^31 and 2^32 elements is addressed with offsets that overflow (on the H200: an illegal address in the FP8 grouped
+# GEMM, other keys selected by the DSA indexer over its FP8 key pool). Arrays of 2-byte or wider elements pass 2^32
+# bytes, and switch to 64-bit offsets, before their offsets reach 2^31. The FP8 GEMMs take such operands as byte
+# pairs (fp8_matmul_pallas); the engine keeps its 1-byte cache pools below (jaxmodels.engine.cache).
+MAX_BYTE_ELEMENTS = 2**31 - 1
 
 
 def on_gpu() -> bool:

@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import first_problem, pow2_tile_problem
+from ._dispatch import MAX_BYTE_ELEMENTS, first_problem, pow2_tile_problem
 from .grouped_matmul import default_block_m, make_schedule
 
 
@@ -75,12 +75,9 @@ def pallas_problem(block: tuple[int, int], block_m: int | None = None, block_n: 
                          block_n and pow2_tile_problem("block_n", block_n))
 
 
-# Past this many elements a 1-byte operand of at most 2^32 bytes overflows the lowering's 32-bit offsets.
-MAX_BYTE_ELEMENTS = 2**31 - 1
-
-
 def needs_byte_pairs(*operands) -> bool:
-    """Whether a 1-byte operand is too large for 32-bit element offsets yet small enough to get no 64-bit ones."""
+    """Whether a 1-byte operand is too large for 32-bit element offsets yet small enough to get no 64-bit ones
+    (`_dispatch.MAX_BYTE_ELEMENTS`)."""
     return any(a.dtype.itemsize == 1 and MAX_BYTE_ELEMENTS < a.size <= 2**32 for a in operands)
 
 

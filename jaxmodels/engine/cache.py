@@ -12,6 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._dispatch import MAX_BYTE_ELEMENTS
+
 log = logging.getLogger("jaxmodels.engine")
 
 
@@ -81,12 +83,9 @@ def reports_memory(devices=None) -> bool:
     return all("bytes_limit" in (device.memory_stats() or {}) for device in _addressable(devices))
 
 
-# Pallas' Triton lowering computes a ref's element offsets in 32-bit integers unless the array is larger than 2^32
-# bytes (jax/_src/pallas/triton/lowering.py, `_compute_offsets_from_indices`): a pool of 1-byte elements (the DSA
-# indexer's FP8 keys) between 2^31 and 2^32 elements is addressed with offsets that overflow, and on the H200 the
-# indexer then selects other keys (tests/pallas_kernels/test_large_pools.py). Pools of 2-byte or wider elements pass
-# 2^32 bytes, and switch to 64-bit offsets, before their offsets reach 2^31. So 1-byte pools stay below 2^31 elements.
-MAX_BYTE_POOL_ELEMENTS = 2**31 - 1
+# The kernels address 1-byte arrays past 2^31 elements with overflowing offsets (`pallas_kernels._dispatch.
+# MAX_BYTE_ELEMENTS`; tests/pallas_kernels/test_large_pools.py): 1-byte pools (the DSA indexer's FP8 keys) stay below.
+MAX_BYTE_POOL_ELEMENTS = MAX_BYTE_ELEMENTS
 
 
 def addressable_pages(cache_shapes, sizes: PoolSizes) -> int | None:
