@@ -324,7 +324,8 @@ def bench_sparse_mla(quick):
     which is larger from B=128 on (2·H·k·(576+512) FLOPs per query at 810 TFLOP/s)."""
     H, k, rows = 128, 2048, 1 << 18
     cache = jax.random.normal(jax.random.key(6), (rows // 64, 64, 576)).astype(jnp.bfloat16)
-    cases = [(B, k) for B in MLA_BATCHES] + [(32, 1024)] * (32 in MLA_BATCHES)  # the last: contexts shorter than k, lists half −1
+    # The last case: contexts shorter than k, lists half −1.
+    cases = [(B, k) for B in MLA_BATCHES] + [(32, 1024)] * (32 in MLA_BATCHES)
     for B, listed in cases:
         q = jax.random.normal(jax.random.key(B), (B, H, 576)).astype(jnp.bfloat16)
         idx = jax.random.randint(jax.random.key(B + 1), (B, k), 0, rows).astype(jnp.int32)

@@ -191,8 +191,8 @@ def main(argv=None) -> None:
         # whole context, and the selection is as wide as the context, not as the longest one.
         rows = []
         for context in contexts:
-            # Compiled on first use: the extend executable, whose selection is as wide as the row (143 s to compile
-            # at 32k on the H200), is only needed when a prompt is served.
+            # Compiled on first use: an engine whose prompts are not served (past --serve-up-to) compiles no extend
+            # executable.
             llm, costs = build_engine({**raw, "index_topk": context + room + 16}, args, context + room,
                                       min(args.prefill_chunk, 1024), warmup=False)
             rows += measure(llm, costs, [context], args, raw["vocab_size"], rng,
