@@ -9,15 +9,15 @@ bf16 (`docs/BENCHMARKS.md`), while cuBLASLt's e4m3 GEMM reaches 1,337 on the sam
 product must be scaled (x's row scales times w's block scale) and added to a float32 total before the next, and in
 the Triton lowering nothing overlaps that promotion with the tensor cores. Here a producer warpgroup streams x and w
 tiles (and their scales) into shared memory through TMA, `steps_in_flight` steps ahead, and two consumer warpgroups
-each own half of a [2 * tile_m, 128] output tile: while one scales its product, the other's wgmma runs.
+each own half of a [2 * tile_m, tile_n] output tile: while one scales its product, the other's wgmma runs.
 
-Per K step, per consumer: a wgmma of its [tile_m, 128] x tile and the [128, 128] w tile (w is stored [N, K], K-major,
-as e4m3 wgmma wants its B operand, and read through a transposed view) into a fresh accumulator, then
-total += product * (x_scale[rows] * w_scale[block]) in registers (DeepSeek-V3's promotion: the FP8 MMA's reduced
+Per K step, per consumer: a wgmma of its [tile_m, 128] x tile and the [tile_n, 128] w tile (w is stored [N, K],
+K-major, as e4m3 wgmma wants its B operand, and read through a transposed view) into a fresh accumulator, then
+total += product * x_scale[rows] * w_scale[columns' blocks] in registers (DeepSeek-V3's promotion: the FP8 MMA's reduced
 accumulator precision is confined to 128-term chains). The output tiles are handed out by a persistent loop over
 the SMs.
 
-Shapes: M a multiple of 2 * tile_m, N of 128, K of 128 (the wrapper in `fp8_matmul` pads M). Runs on jax >= 0.11
+Shapes: M a multiple of 2 * tile_m, N of tile_n (a multiple of 128), K of 128 (the wrapper in `fp8_matmul` pads M). Runs on jax >= 0.11
 (Pallas Mosaic GPU with warpgroup semantics); `interpret=True` runs it on CPU in Mosaic GPU's interpreter.
 """
 
@@ -44,21 +44,23 @@ def _num_sms() -> int:
 
 
 def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16, tile_m: int = 64,
-                            steps_in_flight: int = 4, num_programs: int | None = None, interpret: bool = False):
+                            tile_n: int = 128, steps_in_flight: int = 4, num_programs: int | None = None,
+                            interpret: bool = False):
+    """See the module docstring. Output tiles are [2 * tile_m, tile_n] (tile_n a multiple of 128), each consumer
+    warpgroup computing [tile_m, tile_n] of it; `steps_in_flight` K steps are loaded ahead."""
     plgpu = _mosaic()
     (M, K), N = x8.shape, w8.shape[0]
-    tile_n = BLOCK
-    cta_m = 2 * tile_m  # one [tile_m, 128] half per consumer warpgroup
-    if M % cta_m or N % tile_n or K % BLOCK:
-        raise ValueError(f"M={M} must be a multiple of {cta_m}, N={N} and K={K} of {BLOCK}")
+    cta_m = 2 * tile_m  # one [tile_m, tile_n] half per consumer warpgroup
+    if M % cta_m or N % tile_n or tile_n % BLOCK or K % BLOCK:
+        raise ValueError(f"M={M} must be a multiple of {cta_m}, N={N} of tile_n={tile_n} (a multiple of {BLOCK}), "
+                         f"K={K} of {BLOCK}")
     if x_scale.shape != (M, K // BLOCK) or w_scale.shape != (N // BLOCK, K // BLOCK):
         raise ValueError(f"scales {x_scale.shape}, {w_scale.shape} do not fit x {x8.shape}, w {w8.shape}")
     m_iters, n_iters, k_iters = M // cta_m, N // tile_n, K // BLOCK
-    # Scales in the layout the K loop reads them: one row of x scales per K step (TMA wants rows of 16 bytes and
-    # more, so the w scales' row is padded to 4 floats).
+    # Scales in the layout the K loop reads them, one row per K step: x's per row, w's per column (its block's
+    # scale repeated over the block's 128 columns: N floats a step, a few MB in all).
     xs_t = x_scale.astype(jnp.float32).T
-    ws_cols = -(-(N // BLOCK) // 4) * 4
-    ws_t = jnp.pad(w_scale.astype(jnp.float32).T, ((0, 0), (0, ws_cols - N // BLOCK)))
+    ws_t = jnp.repeat(w_scale.astype(jnp.float32).T, BLOCK, axis=1)
     swizzle = plgpu.find_swizzle(BLOCK * 8)  # a 128-byte e4m3 row
     operand = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
     out_bits = jnp.dtype(out_dtype).itemsize * 8
@@ -73,7 +75,7 @@ def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16,
                 plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((tile_n, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((1, ws_cols), lambda k: (k, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((1, tile_n), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ])
 
     def kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem):
@@ -101,8 +103,9 @@ def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16,
 
                     part = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
                     row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    scale = row_scale * ws_smem[0, n_idx]
-                    return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
+                    column_scale = plgpu.load(ws_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+                    return total + (part * lax.broadcast_in_dim(row_scale, part.shape, [0])
+                                    * lax.broadcast_in_dim(column_scale, part.shape, [1]))
 
                 def context(run):
                     total = run(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA))
@@ -115,7 +118,8 @@ def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16,
 
                 pipeline(step, context)(
                     x_gmem.at[pl.ds(m_idx * cta_m, cta_m), :], w_gmem.at[pl.ds(n_idx * tile_n, tile_n), :],
-                    xs_gmem.at[:, pl.ds(m_idx * cta_m, cta_m)], ws_gmem, allocations=allocations)
+                    xs_gmem.at[:, pl.ds(m_idx * cta_m, cta_m)], ws_gmem.at[:, pl.ds(n_idx * tile_n, tile_n)],
+                    allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
