@@ -33,8 +33,8 @@ GPU paths (what `impl="auto"` will take there once they pass on the H200, see GP
     input_scale · weight_scale. `impl="pallas"` runs the block kernel with the scales broadcast per block instead.
   * per-tensor grouped: the block kernel with each expert's scales broadcast per block (`ragged_dot` takes e4m3
     operands but is no fast path on the GPU).
-  * block-scaled dense, `impl="mosaic"` (asked for only, while it is measured): `fp8_matmul_mosaic`, a warp-
-    specialized wgmma kernel on Pallas' Mosaic GPU backend (jax >= 0.11), rows padded to its 128-row tile.
+  * block-scaled, `impl="mosaic"` (asked for only, while it is measured): `fp8_matmul_mosaic`, a warp-specialized
+    wgmma kernel on Pallas' Mosaic GPU backend (jax >= 0.11), dense and grouped, rows padded to its 128-row tile.
 On CPU `auto` runs the reference, and `interpret=True` runs the Pallas kernels in interpret mode (as the tests do).
 """
 
@@ -225,8 +225,7 @@ def _matmul_impl(impl: str, block, interpret: bool) -> str:
     per-tensor weights and the Pallas kernel for block-scaled ones (unless the kernel cannot take the block: the
     reference); "mosaic" (the Mosaic GPU kernel, jax >= 0.11) only when asked for."""
     if impl == "mosaic":
-        if tuple(block or ()) != (128, 128):
-            raise ValueError(f"impl='mosaic' takes (128, 128) block-scaled weights, got block {block}")
+        _check_mosaic_block(block)
         return impl
     if impl == "xla_fp8":
         if block is not None:
@@ -254,6 +253,11 @@ def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None
     x8, x_scale, w_scale, kernel_block = _kernel_operands(x, w_scale, block, row_scales, pow2_scales, w.shape[0])
     return fp8_block_matmul(x8, x_scale, w, w_scale, block=kernel_block, out_dtype=x.dtype, interpret=interpret,
                             **kernel_options)
+
+
+def _check_mosaic_block(block) -> None:
+    if tuple(block or ()) != (128, 128):
+        raise ValueError(f"impl='mosaic' takes (128, 128) block-scaled weights, got block {block}")
 
 
 def _mosaic_matmul(x, w, w_scale, pow2_scales, interpret, **kernel_options):
@@ -284,8 +288,15 @@ def fp8_grouped_matmul(x, w, w_scale, group_sizes, *, block: tuple[int, int] | N
                        pow2_scales: bool = False, impl: str = "auto", interpret: bool = False, **kernel_options):
     """Rows x[M, K] sorted by expert, expert g taking group_sizes[g] rows, each times its expert's FP8 w[g]ᵀ (w[E, N,
     K]) -> [M, N]. See the module docstring; `kernel_options` as for `fp8_matmul`."""
-    _check_operands(x, w, impl, IMPLS[:3])  # the grouped form has no xla_fp8 or mosaic path
+    _check_operands(x, w, impl, IMPLS[:3] + ("mosaic",))  # the grouped form has no xla_fp8 path
     _check_scales(w, w_scale, block, input_scale, stacked=1)
+    if impl == "mosaic":
+        _check_mosaic_block(block)
+        from .fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic
+
+        x8, x_scale = quantize_activations(x, 128, pow2_scales=pow2_scales)
+        return fp8_block_grouped_matmul_mosaic(x8, x_scale, w, w_scale, group_sizes, out_dtype=x.dtype,
+                                               interpret=interpret, **kernel_options)
     if resolve_impl(_unverified_auto(impl, interpret), interpret, block and pallas_problem(block),
                     "fp8_grouped_matmul") == "xla":
         return fp8_grouped_matmul_reference(x, w, w_scale, group_sizes, block=block, input_scale=input_scale,

@@ -15,8 +15,10 @@ plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 if not hasattr(plgpu, "InterpretGPUParams"):  # jax 0.10: no warpgroup pipelines to interpret
     pytest.skip("the Mosaic GPU FP8 kernel needs jax >= 0.11", allow_module_level=True)
 
-from pallas_kernels.fp8_matmul_mosaic import fp8_block_matmul_mosaic  # noqa: E402
-from pallas_kernels.fp8_matmul import quantize_activations  # noqa: E402
+from pallas_kernels.fp8_matmul import fp8_grouped_matmul, quantize_activations  # noqa: E402
+from pallas_kernels.fp8_matmul_mosaic import (fp8_block_grouped_matmul_mosaic,  # noqa: E402
+                                              fp8_block_matmul_mosaic)
+from tests.pallas_kernels.test_fp8_matmul import grouped_summation_bound  # noqa: E402
 
 
 def operands(M, K, N, seed):
@@ -57,6 +59,29 @@ def test_fp8_matmul_takes_the_mosaic_kernel_on_any_rows():
         fp8_matmul(x, w8, w_scale[0, 0], block=None, input_scale=jnp.float32(1), impl="mosaic")
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("sizes", [[100, 0, 150, 30], [0, 0, 0, 0], [300, 0, 0, 0]])
+def test_interpreted_grouped_kernel_equals_the_reference(sizes):
+    """Experts sharing row tiles (each item writes its own block, each row is gathered from its item), an empty
+    expert, 20 rows past the total (zeros), 300 rows padded to the 128-row tile."""
+    E, M, K, N = 4, 300, 256, 256
+    keys = jax.random.split(jax.random.key(8), 2)
+    x = jax.random.normal(keys[0], (M, K))
+    w8, w_scale = random_weight(keys[1], (E, N, K), BLOCK)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x8, x_scale = quantize_activations(x, 128)
+    got = fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, sizes, out_dtype=jnp.float32, num_programs=3,
+                                          interpret=True)
+    want = fp8_grouped_matmul(x, w8, w_scale, sizes, block=BLOCK, impl="xla")
+    total = int(sizes.sum())
+    assert_within_summation_bound(got[:total], want[:total],
+                                  grouped_summation_bound(x, w8, w_scale, BLOCK, None, sizes))
+    assert not np.asarray(got[total:]).any()
+    through_fp8 = fp8_grouped_matmul(x, w8, w_scale, sizes, block=BLOCK, impl="mosaic", interpret=True,
+                                     num_programs=3)
+    np.testing.assert_array_equal(np.asarray(through_fp8), np.asarray(got))
+
+
 def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
     """Mosaic GPU's lowering (layouts, swizzles, shared memory) of the dense up projection's shape, without a GPU."""
     S = jax.ShapeDtypeStruct
@@ -65,6 +90,12 @@ def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
         f = jax.jit(lambda a, s, b, t: fp8_block_matmul_mosaic(a, s, b, t, num_programs=132, **tiles))
         jax.export.export(f, platforms=["cuda"])(S((M, K), jnp.float8_e4m3fn), S((M, K // 128), jnp.float32),
                                                  S((N, K), jnp.float8_e4m3fn), S((N // 128, K // 128), jnp.float32))
+    # The routed experts of one device holding all 256 (3.76 G e4m3 elements), a 4096-token prefill's 32768 rows.
+    E, M, K, N = 256, 32768, 7168, 2048
+    g = jax.jit(lambda a, s, b, t, n: fp8_block_grouped_matmul_mosaic(a, s, b, t, n, num_programs=132))
+    jax.export.export(g, platforms=["cuda"])(S((M, K), jnp.float8_e4m3fn), S((M, K // 128), jnp.float32),
+                                             S((E, N, K), jnp.float8_e4m3fn), S((E, N // 128, K // 128), jnp.float32),
+                                             S((E,), jnp.int32))
 
 
 @pytest.mark.gpu
@@ -74,3 +105,17 @@ def test_compiled_kernel_on_gpu():
     got = jax.jit(lambda *a: fp8_block_matmul_mosaic(*a, out_dtype=jnp.float32))(x8, x_scale, w8, w_scale)
     want = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="xla")
     assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, BLOCK, tensor_cores=True))
+
+
+@pytest.mark.gpu
+def test_compiled_grouped_kernel_on_gpu():
+    E, M, K, N = 4, 300, 1024, 512
+    keys = jax.random.split(jax.random.key(9), 2)
+    x = jax.random.normal(keys[0], (M, K))
+    w8, w_scale = random_weight(keys[1], (E, N, K), BLOCK)
+    sizes = jnp.array([100, 0, 150, 30], jnp.int32)
+    got = jax.jit(lambda *a: fp8_grouped_matmul(*a, block=BLOCK, impl="mosaic"))(x, w8, w_scale, sizes)
+    want = fp8_grouped_matmul(x, w8, w_scale, sizes, block=BLOCK, impl="xla")
+    bound = grouped_summation_bound(x, w8, w_scale, BLOCK, None, sizes, tensor_cores=True)
+    assert_within_summation_bound(got[:280], want[:280], bound)
+    assert not np.asarray(got[280:]).any()
