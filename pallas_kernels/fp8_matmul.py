@@ -58,6 +58,10 @@ IMPLS = ("auto", "pallas", "xla", "xla_fp8", "mosaic")  # xla_fp8: per-tensor on
 # `bash bench/h200_runs.sh fp8_engine` and the GPU suite with this set have, `auto` runs the reference there too.
 # impl="pallas" / "xla_fp8" ask for the GPU paths explicitly, and JAXMODELS_FP8_GPU_PATHS=1 makes `auto` take them.
 GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS") == "1"
+# Which kernel `auto` runs block-scaled (128, 128) weights on when it takes the GPU paths: "pallas" (Triton) or
+# "mosaic" (`fp8_matmul_mosaic`, where N and K are multiples of 128), while the two are compared
+# (JAXMODELS_FP8_BLOCK_KERNEL=mosaic: bench/h200_runs.sh fp8_engine).
+BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL", "pallas")
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
 PER_TENSOR_BLOCK = (128, 128)
 
@@ -243,6 +247,8 @@ def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None
     _check_operands(x, w, impl, IMPLS)
     _check_scales(w, w_scale, block, input_scale, stacked=0)
     which = _matmul_impl(impl, block, interpret)
+    if _auto_takes_mosaic(impl, which, block, w.shape, interpret):
+        which = "mosaic"
     if which == "xla":
         return fp8_matmul_reference(x, w, w_scale, block=block, input_scale=input_scale, pow2_scales=pow2_scales)
     if which == "xla_fp8":
@@ -253,6 +259,12 @@ def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None
     x8, x_scale, w_scale, kernel_block = _kernel_operands(x, w_scale, block, row_scales, pow2_scales, w.shape[0])
     return fp8_block_matmul(x8, x_scale, w, w_scale, block=kernel_block, out_dtype=x.dtype, interpret=interpret,
                             **kernel_options)
+
+
+def _auto_takes_mosaic(impl: str, choice: str, block, w_shape, interpret: bool) -> bool:
+    """Whether `auto`, having chosen the Pallas block kernel, runs the Mosaic one instead (BLOCK_KERNEL)."""
+    return (impl == "auto" and choice == "pallas" and BLOCK_KERNEL == "mosaic" and not interpret
+            and tuple(block or ()) == (128, 128) and not w_shape[-1] % 128 and not w_shape[-2] % 128)
 
 
 def _check_mosaic_block(block) -> None:
@@ -290,15 +302,16 @@ def fp8_grouped_matmul(x, w, w_scale, group_sizes, *, block: tuple[int, int] | N
     K]) -> [M, N]. See the module docstring; `kernel_options` as for `fp8_matmul`."""
     _check_operands(x, w, impl, IMPLS[:3] + ("mosaic",))  # the grouped form has no xla_fp8 path
     _check_scales(w, w_scale, block, input_scale, stacked=1)
-    if impl == "mosaic":
+    choice = "mosaic" if impl == "mosaic" else resolve_impl(
+        _unverified_auto(impl, interpret), interpret, block and pallas_problem(block), "fp8_grouped_matmul")
+    if choice == "mosaic" or _auto_takes_mosaic(impl, choice, block, w.shape, interpret):
         _check_mosaic_block(block)
         from .fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic
 
         x8, x_scale = quantize_activations(x, 128, pow2_scales=pow2_scales)
         return fp8_block_grouped_matmul_mosaic(x8, x_scale, w, w_scale, group_sizes, out_dtype=x.dtype,
                                                interpret=interpret, **kernel_options)
-    if resolve_impl(_unverified_auto(impl, interpret), interpret, block and pallas_problem(block),
-                    "fp8_grouped_matmul") == "xla":
+    if choice == "xla":
         return fp8_grouped_matmul_reference(x, w, w_scale, group_sizes, block=block, input_scale=input_scale,
                                             pow2_scales=pow2_scales)
     row_scales = None if block else input_scale[_expert_of_row(group_sizes, x.shape[0])]
