@@ -103,6 +103,17 @@ def random_fp8_weight(key, shape):
     return quantize_weight(jax.random.normal(key, shape, jnp.float32) * shape[-1] ** -0.5, BLOCK)
 
 
+# The Mosaic GPU kernel (jax >= 0.11, on the GPU only) and the tiles it is timed with.
+try:
+    from jax.experimental.pallas import mosaic_gpu as _plgpu
+
+    from pallas_kernels.fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic, fp8_block_matmul_mosaic
+    MOSAIC = hasattr(_plgpu, "InterpretGPUParams")
+except ImportError:
+    MOSAIC = False
+MOSAIC_TILES = [dict(tile_m=64, steps_in_flight=4), dict(tile_m=64, steps_in_flight=6),
+                dict(tile_m=64, tile_n=256, steps_in_flight=3), dict(tile_m=128, steps_in_flight=3)]
+
 # The e4m3 dot's algorithm: XLA's default, float32 accumulation (what fp8_matmul_xla_fp8 asks for on the GPU), and
 # cuBLASLt's fast (unpromoted) accumulation.
 DOT_ALGORITHMS = [None, lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM]
@@ -153,6 +164,9 @@ def check():
                                                  **options))(x, w8, w_scale)
         want = jax.jit(lambda a, b, c: fp8_matmul(a, b, c, block=BLOCK, impl="xla"))(x, w8, w_scale)
         report_check(f"block M={M} K={K} N={N} {options}", relative_max_error(got, want))
+        if MOSAIC and not K % 128 and not N % 128:
+            got = jax.jit(lambda a, b, c: fp8_matmul(a, b, c, block=BLOCK, impl="mosaic"))(x, w8, w_scale)
+            report_check(f"block Mosaic kernel M={M} K={K} N={N}", relative_max_error(got, want))
         scale, input_scale = jnp.float32(0.01), jnp.float32(4 / 448)
         got = jax.jit(lambda a, b: fp8_matmul(a, b, scale, block=None, input_scale=input_scale,
                                               impl="xla_fp8"))(x, w8)
@@ -180,6 +194,11 @@ def check():
         tail_zero = not np.asarray(got[total:]).any()
         report_check(f"grouped {name} E={E} M={M} ({total} routed) K={K} N={N}, tail zero {tail_zero}",
                      relative_max_error(got[:total], want[:total]), tail_zero)
+        if MOSAIC and name == "block":
+            got = jax.jit(lambda a, b, c, d: fp8_grouped_matmul(a, b, c, d, impl="mosaic", **options))(
+                x, w8, w_scales, sizes)
+            report_check(f"grouped block Mosaic kernel E={E} M={M} ({total} routed)",
+                         relative_max_error(got[:total], want[:total]), not np.asarray(got[total:]).any())
     check_past_32_bit_offsets()
 
 
@@ -243,6 +262,16 @@ def dense():
                      baseline=bf16)
         ROWS.append(f"dense M={M} K={K} N={N}: block FP8 kernel {flops / t / 1e12:.0f} TFLOP/s = "
                     f"x{bf16 / t:.2f} bf16 jnp.dot ({flops / bf16 / 1e12:.0f} TFLOP/s)")
+        if MOSAIC and M >= 128:
+            for options in MOSAIC_TILES:
+                try:
+                    t = time_row(f"fp8_block_matmul_mosaic kernel only M={M} {options}",
+                                 jax.jit(lambda a, s, b, c, o=options: fp8_block_matmul_mosaic(a, s, b, c, **o)),
+                                 x8, x_scale, w8, w_scale, flops=flops, baseline=bf16)
+                    ROWS.append(f"dense M={M}: Mosaic FP8 kernel {options} {flops / t / 1e12:.0f} TFLOP/s = "
+                                f"x{bf16 / t:.2f} bf16")
+                except Exception as e:  # noqa: BLE001 (report a tile that does not compile, keep going)
+                    say(f"  mosaic {options}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
 @section
@@ -290,6 +319,14 @@ def grouped():
                          x8, x_scale, w8, w_scale, sizes, flops=flops, baseline=bf16)
             ROWS.append(f"grouped {label}: FP8 kernel {flops / t / 1e12:.0f} TFLOP/s = x{bf16 / t:.2f} bf16 "
                         f"grouped_matmul ({flops / bf16 / 1e12:.0f} TFLOP/s)")
+            if MOSAIC:
+                try:
+                    t = time_row("fp8_block_grouped_matmul_mosaic kernel only (+ row gather)",
+                                 jax.jit(lambda a, s, b, c, d: fp8_block_grouped_matmul_mosaic(a, s, b, c, d)),
+                                 x8, x_scale, w8, w_scale, sizes, flops=flops, baseline=bf16)
+                    ROWS.append(f"grouped {label}: Mosaic FP8 kernel x{bf16 / t:.2f} bf16 grouped_matmul")
+                except Exception as e:  # noqa: BLE001 (report it, keep going)
+                    say(f"  mosaic grouped: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         del w8, w_scale, w_bf16
 
 
@@ -330,7 +367,7 @@ def grouped_sweep():
 
 
 def main():
-    global SHAPES, INTERPRET
+    global SHAPES, INTERPRET, MOSAIC
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="correctness of the compiled kernels first")
     ap.add_argument("--sweep", action="store_true", help="time tile options of the block kernel")
@@ -340,8 +377,9 @@ def main():
     args = ap.parse_args()
     INTERPRET = args.interpret
     SHAPES = TINY if INTERPRET else FULL
-    if INTERPRET:  # the CPU takes no algorithm for FP8 dots
+    if INTERPRET:  # the CPU takes no algorithm for FP8 dots; the Mosaic kernel has its own interpreter tests
         del DOT_ALGORITHMS[1:]
+        MOSAIC = False
     open_log(args.log)
     say(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
         f"{', tiny shapes in interpret mode' if INTERPRET else ''}")

@@ -55,9 +55,12 @@ for what in "$@"; do
         --log "$OUT/fp8_${FP8_ONLY:-main}.log" ${FP8_SWEEP:-} 2>&1 | grep -v Warning | tail -40 ;;
     fp8_sweep) FP8_ONLY=sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
     fp8_gsweep) FP8_ONLY=grouped_sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
-    fp8_engine) for fp8 in --fp8-block ""; do  # the FP8 GPU paths in the engine, against bf16
-          JAXMODELS_FP8_GPU_PATHS=1 bench --config bench/configs/deepseek_v32_4layer.json --phases prefill,decode \
-            --batches 1,32 --decode-steps 24 --prefill-chunk 4096 $fp8 2>&1 | tail -14; done ;;
+    fp8_engine) for run in "pallas --fp8-block" "mosaic --fp8-block" "pallas"; do  # the FP8 GPU paths (Triton's
+          set -- $run  # block kernels, then the Mosaic GPU ones) in the engine, against bf16
+          echo "--- block kernel $1 ${2:-(bf16 weights)}"
+          JAXMODELS_FP8_GPU_PATHS=1 JAXMODELS_FP8_BLOCK_KERNEL=$1 bench --config bench/configs/deepseek_v32_4layer.json \
+            --phases prefill,decode --batches 1,32 --decode-steps 24 --prefill-chunk 4096 ${2:-} 2>&1 | tail -14
+        done ;;
     mla_b128) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     mla_small) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --only mla_decode --mla-batches 16,32 \

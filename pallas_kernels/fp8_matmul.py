@@ -33,6 +33,8 @@ GPU paths (what `impl="auto"` will take there once they pass on the H200, see GP
     input_scale · weight_scale. `impl="pallas"` runs the block kernel with the scales broadcast per block instead.
   * per-tensor grouped: the block kernel with each expert's scales broadcast per block (`ragged_dot` takes e4m3
     operands but is no fast path on the GPU).
+  * block-scaled, `impl="mosaic"` (asked for only, while it is measured): `fp8_matmul_mosaic`, a warp-specialized
+    wgmma kernel on Pallas' Mosaic GPU backend (jax >= 0.11), dense and grouped, rows padded to its 128-row tile.
 On CPU `auto` runs the reference, and `interpret=True` runs the Pallas kernels in interpret mode (as the tests do).
 """
 
@@ -49,13 +51,17 @@ from .packing import count_at_or_below, prefix_sum
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 AMAX_FLOOR = 1e-4  # DeepSeek's act_quant clamps a group's amax here
-IMPLS = ("auto", "pallas", "xla", "xla_fp8")  # xla_fp8: per-tensor fp8_matmul only
+IMPLS = ("auto", "pallas", "xla", "xla_fp8", "mosaic")  # xla_fp8: per-tensor only; mosaic: block (128, 128) only
 # Whether `auto` takes the GPU paths on a GPU. Not yet. On the H200 (2026-12-01 03:58 UTC) they passed
 # `bench/fp8_kernels.py --check` (block kernels 1e-6..4e-6 of the largest output, the per-tensor cuBLASLt dot with
 # float32 accumulation 0..1.3e-4) and the compiled-kernel tests, but the engine has not run on them: until
 # `bash bench/h200_runs.sh fp8_engine` and the GPU suite with this set have, `auto` runs the reference there too.
 # impl="pallas" / "xla_fp8" ask for the GPU paths explicitly, and JAXMODELS_FP8_GPU_PATHS=1 makes `auto` take them.
 GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS") == "1"
+# Which kernel `auto` runs block-scaled (128, 128) weights on when it takes the GPU paths: "pallas" (Triton) or
+# "mosaic" (`fp8_matmul_mosaic`, where N and K are multiples of 128), while the two are compared
+# (JAXMODELS_FP8_BLOCK_KERNEL=mosaic: bench/h200_runs.sh fp8_engine).
+BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL", "pallas")
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
 PER_TENSOR_BLOCK = (128, 128)
 
@@ -222,8 +228,12 @@ def _unverified_auto(impl: str, interpret: bool) -> str:
 
 
 def _matmul_impl(impl: str, block, interpret: bool) -> str:
-    """"xla", "xla_fp8" or "pallas" for fp8_matmul: `auto` on the GPU takes cuBLASLt's FP8 GEMM for per-tensor
-    weights and the Pallas kernel for block-scaled ones (unless the kernel cannot take the block: the reference)."""
+    """"xla", "xla_fp8", "pallas" or "mosaic" for fp8_matmul: `auto` on the GPU takes cuBLASLt's FP8 GEMM for
+    per-tensor weights and the Pallas kernel for block-scaled ones (unless the kernel cannot take the block: the
+    reference); "mosaic" (the Mosaic GPU kernel, jax >= 0.11) only when asked for."""
+    if impl == "mosaic":
+        _check_mosaic_block(block)
+        return impl
     if impl == "xla_fp8":
         if block is not None:
             raise ValueError("impl='xla_fp8' is the per-tensor (block=None) form's; block-scaled FP8 runs 'pallas'")
@@ -240,14 +250,42 @@ def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None
     _check_operands(x, w, impl, IMPLS)
     _check_scales(w, w_scale, block, input_scale, stacked=0)
     which = _matmul_impl(impl, block, interpret)
+    if _auto_takes_mosaic(impl, which, block, w.shape, interpret):
+        which = "mosaic"
     if which == "xla":
         return fp8_matmul_reference(x, w, w_scale, block=block, input_scale=input_scale, pow2_scales=pow2_scales)
     if which == "xla_fp8":
         return fp8_matmul_xla_fp8(x, w, w_scale, input_scale=input_scale)
+    if which == "mosaic":
+        return _mosaic_matmul(x, w, w_scale, pow2_scales, interpret, **kernel_options)
     row_scales = None if block else jnp.broadcast_to(input_scale, x.shape[:1])
     x8, x_scale, w_scale, kernel_block = _kernel_operands(x, w_scale, block, row_scales, pow2_scales, w.shape[0])
     return fp8_block_matmul(x8, x_scale, w, w_scale, block=kernel_block, out_dtype=x.dtype, interpret=interpret,
                             **kernel_options)
+
+
+def _auto_takes_mosaic(impl: str, choice: str, block, w_shape, interpret: bool) -> bool:
+    """Whether `auto`, having chosen the Pallas block kernel, runs the Mosaic one instead (BLOCK_KERNEL)."""
+    return (impl == "auto" and choice == "pallas" and BLOCK_KERNEL == "mosaic" and not interpret
+            and tuple(block or ()) == (128, 128) and not w_shape[-1] % 128 and not w_shape[-2] % 128)
+
+
+def _check_mosaic_block(block) -> None:
+    if tuple(block or ()) != (128, 128):
+        raise ValueError(f"impl='mosaic' takes (128, 128) block-scaled weights, got block {block}")
+
+
+def _mosaic_matmul(x, w, w_scale, pow2_scales, interpret, **kernel_options):
+    """The Mosaic GPU kernel on rows padded to its row tile (2 x tile_m)."""
+    from .fp8_matmul_mosaic import fp8_block_matmul_mosaic
+
+    rows = 2 * kernel_options.get("tile_m", 64)
+    M = x.shape[0]
+    x8, x_scale = quantize_activations(x, 128, pow2_scales=pow2_scales)
+    pad = -M % rows
+    x8, x_scale = jnp.pad(x8, ((0, pad), (0, 0))), jnp.pad(x_scale, ((0, pad), (0, 0)))
+    out = fp8_block_matmul_mosaic(x8, x_scale, w, w_scale, out_dtype=x.dtype, interpret=interpret, **kernel_options)
+    return out[:M]
 
 
 def fp8_grouped_matmul_reference(x, w, w_scale, group_sizes, *, block, input_scale=None, pow2_scales=False):
@@ -265,10 +303,18 @@ def fp8_grouped_matmul(x, w, w_scale, group_sizes, *, block: tuple[int, int] | N
                        pow2_scales: bool = False, impl: str = "auto", interpret: bool = False, **kernel_options):
     """Rows x[M, K] sorted by expert, expert g taking group_sizes[g] rows, each times its expert's FP8 w[g]ᵀ (w[E, N,
     K]) -> [M, N]. See the module docstring; `kernel_options` as for `fp8_matmul`."""
-    _check_operands(x, w, impl, IMPLS[:3])
+    _check_operands(x, w, impl, IMPLS[:3] + ("mosaic",))  # the grouped form has no xla_fp8 path
     _check_scales(w, w_scale, block, input_scale, stacked=1)
-    if resolve_impl(_unverified_auto(impl, interpret), interpret, block and pallas_problem(block),
-                    "fp8_grouped_matmul") == "xla":
+    choice = "mosaic" if impl == "mosaic" else resolve_impl(
+        _unverified_auto(impl, interpret), interpret, block and pallas_problem(block), "fp8_grouped_matmul")
+    if choice == "mosaic" or _auto_takes_mosaic(impl, choice, block, w.shape, interpret):
+        _check_mosaic_block(block)
+        from .fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic
+
+        x8, x_scale = quantize_activations(x, 128, pow2_scales=pow2_scales)
+        return fp8_block_grouped_matmul_mosaic(x8, x_scale, w, w_scale, group_sizes, out_dtype=x.dtype,
+                                               interpret=interpret, **kernel_options)
+    if choice == "xla":
         return fp8_grouped_matmul_reference(x, w, w_scale, group_sizes, block=block, input_scale=input_scale,
                                             pow2_scales=pow2_scales)
     row_scales = None if block else input_scale[_expert_of_row(group_sizes, x.shape[0])]

@@ -372,6 +372,19 @@ def test_auto_picks_the_gpu_paths_on_a_gpu(monkeypatch):
         _matmul_impl("xla_fp8", BLOCK, interpret=False)
 
 
+def test_auto_takes_the_mosaic_kernel_when_asked(monkeypatch):
+    from pallas_kernels.fp8_matmul import _auto_takes_mosaic
+
+    monkeypatch.setattr(fp8_matmul_module, "BLOCK_KERNEL", "mosaic")
+    assert _auto_takes_mosaic("auto", "pallas", BLOCK, (256, 7168), interpret=False)
+    assert not _auto_takes_mosaic("auto", "pallas", BLOCK, (576, 7168 + 64), interpret=False)  # K not in blocks
+    assert not _auto_takes_mosaic("auto", "pallas", BLOCK, (256, 7168), interpret=True)
+    assert not _auto_takes_mosaic("pallas", "pallas", BLOCK, (256, 7168), interpret=False)  # asked for Triton
+    assert not _auto_takes_mosaic("auto", "xla", BLOCK, (256, 7168), interpret=False)  # the reference's turn
+    monkeypatch.setattr(fp8_matmul_module, "BLOCK_KERNEL", "pallas")
+    assert not _auto_takes_mosaic("auto", "pallas", BLOCK, (256, 7168), interpret=False)
+
+
 def test_auto_runs_the_reference_on_cpu(monkeypatch):
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: False)
     assert _matmul_impl("auto", BLOCK, interpret=False) == "xla"

@@ -1,0 +1,121 @@
+"""The Mosaic GPU FP8 block GEMM (`pallas_kernels.fp8_matmul_mosaic`, jax >= 0.11) against the XLA reference: in
+Mosaic GPU's interpreter (any machine) held to the float32 summation bound of test_fp8_matmul, compiled on the GPU to
+the FP8 tensor cores' bound; and its lowering for an H200 at DeepSeek's shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.fp8_matmul import fp8_matmul
+from tests.pallas_kernels.test_fp8_matmul import (BLOCK, assert_within_summation_bound, random_weight,
+                                                  summation_bound)
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+if not hasattr(plgpu, "InterpretGPUParams"):  # jax 0.10: no warpgroup pipelines to interpret
+    pytest.skip("the Mosaic GPU FP8 kernel needs jax >= 0.11", allow_module_level=True)
+
+from pallas_kernels.fp8_matmul import fp8_grouped_matmul, quantize_activations  # noqa: E402
+from pallas_kernels.fp8_matmul_mosaic import (fp8_block_grouped_matmul_mosaic,  # noqa: E402
+                                              fp8_block_matmul_mosaic)
+from tests.pallas_kernels.test_fp8_matmul import grouped_summation_bound  # noqa: E402
+
+
+def operands(M, K, N, seed):
+    keys = jax.random.split(jax.random.key(seed), 2)
+    x = jax.random.normal(keys[0], (M, K)) * jnp.array([1.0, 30.0, 0.01])[(jnp.arange(K) // 128) % 3]
+    w8, w_scale = random_weight(keys[1], (N, K), BLOCK)
+    return x, w8, w_scale
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("M, K, N, tiles, programs", [(128, 384, 384, dict(tile_m=64), 2),
+                                                      (256, 256, 128, dict(tile_m=64), 3),
+                                                      (128, 256, 512, dict(tile_m=64, tile_n=256), 1)])
+def test_interpreted_kernel_equals_the_reference(M, K, N, tiles, programs):
+    """Several output tiles per program (a persistent loop over fewer programs than tiles) or an idle program, several
+    K steps with scales 1/8..8 per block and activations spanning 1e-2..30 per 128 channels."""
+    x, w8, w_scale = operands(M, K, N, M + N)
+    x8, x_scale = quantize_activations(x, 128)
+    got = fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, out_dtype=jnp.float32, num_programs=programs,
+                                  interpret=True, **tiles)
+    want = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="xla")
+    assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, BLOCK))
+
+
+@pytest.mark.cpu_only
+def test_fp8_matmul_takes_the_mosaic_kernel_on_any_rows():
+    """impl="mosaic" through fp8_matmul: 100 rows, padded to the kernel's 128-row tile and cut back, bf16 in and out
+    (both sides round float32 sums within the bound to bf16: beyond it they may differ by one bf16 step, at most
+    2^-7 of the value)."""
+    x, w8, w_scale = operands(100, 256, 256, 7)
+    x = x.astype(jnp.bfloat16)
+    got = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="mosaic", interpret=True, num_programs=2)
+    want = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="xla")
+    assert got.shape == (100, 256) and got.dtype == jnp.bfloat16
+    bound = summation_bound(x, w8, w_scale, BLOCK) + 2.0 ** -7 * np.abs(np.asarray(want, np.float64))
+    assert_within_summation_bound(got, want, bound)
+    with pytest.raises(ValueError, match="takes \\(128, 128\\) block-scaled weights"):
+        fp8_matmul(x, w8, w_scale[0, 0], block=None, input_scale=jnp.float32(1), impl="mosaic")
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("sizes", [[100, 0, 150, 30], [0, 0, 0, 0], [300, 0, 0, 0]])
+def test_interpreted_grouped_kernel_equals_the_reference(sizes):
+    """Experts sharing row tiles (each item writes its own block, each row is gathered from its item), an empty
+    expert, 20 rows past the total (zeros), 300 rows padded to the 128-row tile."""
+    E, M, K, N = 4, 300, 256, 256
+    keys = jax.random.split(jax.random.key(8), 2)
+    x = jax.random.normal(keys[0], (M, K))
+    w8, w_scale = random_weight(keys[1], (E, N, K), BLOCK)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x8, x_scale = quantize_activations(x, 128)
+    got = fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, sizes, out_dtype=jnp.float32, num_programs=3,
+                                          interpret=True)
+    want = fp8_grouped_matmul(x, w8, w_scale, sizes, block=BLOCK, impl="xla")
+    total = int(sizes.sum())
+    assert_within_summation_bound(got[:total], want[:total],
+                                  grouped_summation_bound(x, w8, w_scale, BLOCK, None, sizes))
+    assert not np.asarray(got[total:]).any()
+    through_fp8 = fp8_grouped_matmul(x, w8, w_scale, sizes, block=BLOCK, impl="mosaic", interpret=True,
+                                     num_programs=3)
+    np.testing.assert_array_equal(np.asarray(through_fp8), np.asarray(got))
+
+
+def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
+    """Mosaic GPU's lowering (layouts, swizzles, shared memory) of the dense up projection's shape, without a GPU."""
+    S = jax.ShapeDtypeStruct
+    M, K, N = 4096, 7168, 18432
+    for tiles in [dict(tile_m=64), dict(tile_m=64, tile_n=256, steps_in_flight=3)]:
+        f = jax.jit(lambda a, s, b, t: fp8_block_matmul_mosaic(a, s, b, t, num_programs=132, **tiles))
+        jax.export.export(f, platforms=["cuda"])(S((M, K), jnp.float8_e4m3fn), S((M, K // 128), jnp.float32),
+                                                 S((N, K), jnp.float8_e4m3fn), S((N // 128, K // 128), jnp.float32))
+    # The routed experts of one device holding all 256 (3.76 G e4m3 elements), a 4096-token prefill's 32768 rows.
+    E, M, K, N = 256, 32768, 7168, 2048
+    g = jax.jit(lambda a, s, b, t, n: fp8_block_grouped_matmul_mosaic(a, s, b, t, n, num_programs=132))
+    jax.export.export(g, platforms=["cuda"])(S((M, K), jnp.float8_e4m3fn), S((M, K // 128), jnp.float32),
+                                             S((E, N, K), jnp.float8_e4m3fn), S((E, N // 128, K // 128), jnp.float32),
+                                             S((E,), jnp.int32))
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_on_gpu():
+    x, w8, w_scale = operands(512, 1024, 768, 5)
+    x8, x_scale = quantize_activations(x, 128)
+    got = jax.jit(lambda *a: fp8_block_matmul_mosaic(*a, out_dtype=jnp.float32))(x8, x_scale, w8, w_scale)
+    want = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="xla")
+    assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, BLOCK, tensor_cores=True))
+
+
+@pytest.mark.gpu
+def test_compiled_grouped_kernel_on_gpu():
+    E, M, K, N = 4, 300, 1024, 512
+    keys = jax.random.split(jax.random.key(9), 2)
+    x = jax.random.normal(keys[0], (M, K))
+    w8, w_scale = random_weight(keys[1], (E, N, K), BLOCK)
+    sizes = jnp.array([100, 0, 150, 30], jnp.int32)
+    got = jax.jit(lambda *a: fp8_grouped_matmul(*a, block=BLOCK, impl="mosaic"))(x, w8, w_scale, sizes)
+    want = fp8_grouped_matmul(x, w8, w_scale, sizes, block=BLOCK, impl="xla")
+    bound = grouped_summation_bound(x, w8, w_scale, BLOCK, None, sizes, tensor_cores=True)
+    assert_within_summation_bound(got[:280], want[:280], bound)
+    assert not np.asarray(got[280:]).any()
