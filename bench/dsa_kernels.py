@@ -259,7 +259,10 @@ def indexer_variants(kind, T, ctx, quick):
     knobs too (B=1 over a long context is one select program per row: its latency is the case)."""
     if quick or kind == "prefill":
         return [dict(), OLD_INDEXER]
-    extra = [dict(digit_bits=4), dict(digit_bits=2), dict(fuse_group_max=False)]
+    extra = [dict(digit_bits=4), dict(digit_bits=2), dict(fuse_group_max=False)] + [
+        # More keys per program with the queries' q loaded once (at decode each 128-key program re-read its q).
+        dict(logits_options=o) for o in (dict(tiles_per_program=4), dict(tiles_per_program=8),
+                                         dict(tiles_per_program=8, num_warps=8), dict(block_kv=256, num_warps=8))]
     if ctx >= 131072:  # the long-row tiles (16 warps, maxima in registers) against 8 warps reading them from L2
         extra += [dict(num_warps=8, gmax_in_registers=16384), dict(num_warps=16, digit_bits=4)]
     return [dict(), OLD_INDEXER] + extra
@@ -268,7 +271,8 @@ def indexer_variants(kind, T, ctx, quick):
 @section
 def bench_indexer(quick):
     k, Hi, D = 2048, 64, 128
-    cases = [(kind, T) for kind, T in [("decode", 1), ("decode", 32), ("prefill", 2048)] if kind in INDEXER_KINDS]
+    cases = [(kind, T) for kind, T in [("decode", 1), ("decode", 16), ("decode", 32), ("prefill", 2048)]
+             if kind in INDEXER_KINDS]
     for ctx in CTXS:
         for kind, T in cases:
             S = T if kind == "decode" else 1
@@ -294,12 +298,13 @@ def bench_indexer(quick):
                 old = "OLD " if opts is OLD_INDEXER else ""
                 row(f"indexer bf16 {kind} T={T} ctx={ctx} {old}{label(opts)}", timeit(f, q, w, k_cache), t_r, floor,
                     "ref = XLA logits + lax.top_k")
-            if kind == "decode" and T == 32:
+            if kind == "decode" and T > 1:  # the engine's index-key cache is FP8
                 k8, sc = quantize_index_k_fp8(k_cache)
-                f8 = jax.jit(lambda q, w, kc, s: indexer_topk_pallas(q, w, kc, k_scale=s, topk=k, **kw))
                 floor8 = max((keys_read * (D + 4) + T * Hi * D * 2 + T * k * 4) / HBM_BPS, flops / MXU_FLOPS)
-                row(f"indexer fp8  {kind} T={T} ctx={ctx}", timeit(f8, q, w, k8, sc), t_r, floor8,
-                    "ref = XLA bf16")
+                for opts in [dict()] + ([] if quick else [dict(logits_options=dict(tiles_per_program=8))]):
+                    f8 = jax.jit(lambda q, w, kc, s: indexer_topk_pallas(q, w, kc, k_scale=s, topk=k, **kw, **opts))
+                    row(f"indexer fp8  {kind} T={T} ctx={ctx} {label(opts)}", timeit(f8, q, w, k8, sc), t_r, floor8,
+                        "ref = XLA bf16")
 
 
 def mla_variants(B, listed, quick):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -69,6 +69,8 @@ for what in "$@"; do
         -p no:cacheprovider tests/jaxmodels/test_fp8_checkpoints.py tests/bridge/test_fp8_loading.py \
         tests/pallas_kernels/test_fp8_matmul.py tests/sharding/test_sharded.py::test_sharded_fp8_serving_follows_one_device \
         2>&1 | tail -15 ;;  # the FP8 models on the GPU paths (what flipping GPU_PATHS_VERIFIED would run)
+    idx_decode) timeout "${IDX_TIMEOUT:-300}" python3 bench/dsa_kernels.py --only indexer --indexer-kinds decode \
+        --ctx 131072 --log "$OUT/idx_decode.log" 2>&1 | grep -v Warning | grep "indexer" | tail -40 ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
   esac
 done

@@ -140,68 +140,88 @@ def indexer_topk(q, weights, k_cache, *, kv_lens, topk: int, page_table=None, se
 # Pallas kernels
 # ----------------------------------------------------------------------------------------------------------------
 
-def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, block_q, block_kv, page_size,
-                         max_pages, fp8, group):
+def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, block_q, block_kv, tiles_per_program,
+                         page_size, max_pages, fp8, group):
     ks_ref = rest[0] if fp8 else None
     o_ref, *gmax_out = rest[1:] if fp8 else rest
     t0 = pl.program_id(0) * block_q
-    j0 = pl.program_id(1) * block_kv
-    pos = j0 + jnp.arange(block_kv)
+    span0 = pl.program_id(1) * block_kv * tiles_per_program
     lens = [lens_ref[t0 + i] for i in range(block_q)]
     longest = functools.reduce(jnp.maximum, lens)
     d = k_ref.shape[-1]
+    key_dtype = jnp.bfloat16 if fp8 else k_ref.dtype  # e4m3 keys are widened to bf16 (exactly) for the dot
 
-    def write(t, row, n_valid):
+    def write(t, j0, row, n_valid):
+        pos = j0 + jnp.arange(block_kv)
         o_ref[t, pl.ds(j0, block_kv)] = jnp.where(pos < n_valid, row, -jnp.inf)
         if gmax_out:
             # The select kernel's group maxima, from the tile in registers: it then never reads a row for them.
             gmax_out[0][t, pl.ds(j0 // group, block_kv // group)] = masked_keys_and_group_max(
                 row, pos, n_valid, group)[1]
 
-    def load_tile(s):
+    def load_tile(s, j0):
         # Logical positions -> flat cache rows through the page table (gathered per key, so any power-of-two
         # page size works, also pages smaller than the tile). Pages past the table are clamped; their keys are
         # masked by kv_lens anyway.
+        pos = j0 + jnp.arange(block_kv)
         page_slot = jnp.minimum(pos // page_size, max_pages - 1)
         pages = plgpu.load(pt_ref.at[jnp.full((block_kv,), s, jnp.int32), page_slot])
         rows = pages * page_size + pos % page_size
         tile = plgpu.load(k_ref.at[rows[:, None], jnp.arange(d)[None, :]])
         if fp8:
-            tile = tile.astype(jnp.bfloat16)  # e4m3 values are exact in bf16
-            return tile, plgpu.load(ks_ref.at[rows])
+            return tile.astype(jnp.bfloat16), plgpu.load(ks_ref.at[rows])
         return tile, jnp.ones((block_kv,), jnp.float32)
 
-    @pl.when(j0 < longest)
-    def _compute():
+    def compute_tile(j0, queries):
         seq_prev = seq_ref[t0]
-        tile = load_tile(seq_prev)
-        for i in range(block_q):
+        tile = load_tile(seq_prev, j0)
+        for i, (q, w) in enumerate(queries):
             t = t0 + i
             if i:
                 s = seq_ref[t]
                 # A query block may straddle two sequences of a packed batch: reload the tile only then.
-                tile = lax.cond(s != seq_prev, lambda s=s: load_tile(s), lambda tile=tile: tile)
+                tile = lax.cond(s != seq_prev, lambda s=s: load_tile(s, j0), lambda tile=tile: tile)
                 seq_prev = s
             k_tile, k_scale = tile
-            q = q_ref[t, :, :]
-            if q.dtype != k_tile.dtype:
-                q = q.astype(k_tile.dtype)
             scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                      precision=dot_precision(k_tile.dtype))
-            w = w_ref[t, :].astype(jnp.float32)
-            write(t, jnp.sum(jnp.maximum(scores, 0.0) * w[:, None], axis=0) * k_scale, lens[i])
+            write(t, j0, jnp.sum(jnp.maximum(scores, 0.0) * w[:, None], axis=0) * k_scale, lens[i])
 
-    @pl.when(j0 >= longest)
-    def _masked():
+    def masked_tile(j0):
         for i in range(block_q):
-            write(t0 + i, jnp.zeros((block_kv,), jnp.float32), 0)
+            write(t0 + i, j0, jnp.zeros((block_kv,), jnp.float32), 0)
+
+    @pl.when(span0 < longest)
+    def _compute():
+        # The queries' q and weights once per program, for all of its key tiles.
+        queries = [(q_ref[t0 + i, :, :].astype(key_dtype), w_ref[t0 + i, :].astype(jnp.float32))
+                   for i in range(block_q)]
+        if tiles_per_program == 1:
+            compute_tile(span0, queries)
+            return
+
+        def one_tile(j, carry):
+            j0 = pl.multiple_of(span0 + j * block_kv, block_kv)
+            pl.when(j0 < longest)(lambda: compute_tile(j0, queries))
+            pl.when(j0 >= longest)(lambda: masked_tile(j0))
+            return carry
+
+        lax.fori_loop(0, tiles_per_program, one_tile, 0)
+
+    @pl.when(span0 >= longest)
+    def _masked():
+        for j in range(tiles_per_program):
+            masked_tile(span0 + j * block_kv)
 
 
 def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_ids=None, k_scale=None,
                         n_pad: int | None = None, block_q: int | None = None, block_kv: int = 128,
-                        num_warps: int = 4, group_max: int = 0, interpret: bool = False):
+                        tiles_per_program: int = 1, num_warps: int = 4, group_max: int = 0,
+                        interpret: bool = False):
     """float32 logits [T_pad, n_pad] (rows past T and columns past the page table are -inf / padding).
 
+    Each program scores `block_q` queries against `tiles_per_program` key tiles of `block_kv`, loading the queries
+    once (decode: more keys per q load; n_pad must be a multiple of block_kv * tiles_per_program).
     With `group_max = G > 0` also the rows' group maxima (`topk_select.masked_keys_and_group_max`) int32
     [T_pad, n_pad / G], returned as (logits, gmax) for `select_topk_pallas(..., gmax=)`."""
     T, Hi, D = q.shape
@@ -215,6 +235,8 @@ def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_id
     block_kv = min(block_kv, n_pad)
     if group_max and block_kv % group_max:
         raise ValueError(f"the key tile {block_kv} must hold whole groups of {group_max}")
+    if n_pad % (block_kv * tiles_per_program):
+        raise ValueError(f"{n_pad} columns are no whole number of programs of {tiles_per_program} x {block_kv} keys")
     if block_q is None:
         # Decode (one query per sequence) gains nothing from blocking queries; prefill reuses each K tile 4x.
         block_q = 4 if T >= 64 else 1
@@ -234,11 +256,12 @@ def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_id
     out_shape = [jax.ShapeDtypeStruct((t_pad, n_pad), jnp.float32)]
     if group_max:
         out_shape.append(jax.ShapeDtypeStruct((t_pad, n_pad // group_max), jnp.int32))
-    kernel = functools.partial(_index_logits_kernel, block_q=block_q, block_kv=block_kv, page_size=page_size,
-                               max_pages=max_pages, fp8=fp8, group=group_max)
+    kernel = functools.partial(_index_logits_kernel, block_q=block_q, block_kv=block_kv,
+                               tiles_per_program=tiles_per_program, page_size=page_size, max_pages=max_pages,
+                               fp8=fp8, group=group_max)
     out = pl.pallas_call(
         kernel,
-        grid=(t_pad // block_q, n_pad // block_kv),
+        grid=(t_pad // block_q, n_pad // (block_kv * tiles_per_program)),
         out_shape=tuple(out_shape),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -299,9 +322,11 @@ def select_topk_in_segments(logits, gmax, kv_lens, topk: int, *, segments: int, 
 
 def indexer_topk_pallas(q, weights, k_cache, *, kv_lens, topk, page_table=None, seq_ids=None, k_scale=None,
                         interpret=False, chunk: int = 2048, block_q: int | None = None,
-                        fuse_group_max: bool | None = None, split: bool | None = None, **select_options):
-    """Logits kernel then select kernel; `select_options` go to `select_topk_pallas` (tiles, digit_bits, ...).
-    `split`: False never selects in segments; otherwise `select_segments` decides (where it pays)."""
+                        fuse_group_max: bool | None = None, split: bool | None = None,
+                        logits_options: dict | None = None, **select_options):
+    """Logits kernel then select kernel; `logits_options` go to `index_logits_pallas` (block_kv, tiles_per_program,
+    num_warps), `select_options` to `select_topk_pallas` (tiles, digit_bits, ...). `split`: False never selects in
+    segments; otherwise `select_segments` decides (where it pays)."""
     T = q.shape[0]
     fuse = FUSE_GROUP_MAX if fuse_group_max is None else fuse_group_max
     k_cache_n, _, page_table_n, _ = _normalise_layout(k_cache, k_scale, page_table, seq_ids, T)
@@ -316,7 +341,7 @@ def indexer_topk_pallas(q, weights, k_cache, *, kv_lens, topk, page_table=None, 
         tiles = dict(block_kv=min(128, segmented[1]))  # key tiles within a segment
     logits = index_logits_pallas(q, weights, k_cache, kv_lens=kv_lens, page_table=page_table, seq_ids=seq_ids,
                                  k_scale=k_scale, n_pad=n_pad, block_q=block_q, group_max=GROUP if fuse else 0,
-                                 interpret=interpret, **tiles)
+                                 interpret=interpret, **{**tiles, **(logits_options or {})})
     logits, gmax = logits if fuse else (logits, None)
     if segmented:
         return select_topk_in_segments(logits[:T], gmax[:T], kv_lens, topk, segments=segmented[0], chunk=chunk,

@@ -149,6 +149,25 @@ def test_indexer_topk_paged_prefill_and_decode():
     assert_topk_valid(ref, ref_logits, kv_lens, topk)
 
 
+@pytest.mark.parametrize("tiles_per_program, block_q", [(2, 1), (4, 1), (2, 4)])
+def test_logits_with_several_key_tiles_per_program(tiles_per_program, block_q):
+    """A program scoring several key tiles with its queries loaded once: rows ending inside a program's span (its
+    later tiles masked) and programs wholly past every row, FP8 keys."""
+    q, w, k_cache, page_table = _paged_problem(jax.random.key(14), T=5, Hi=4, D=32, page_size=8, max_pages=16,
+                                               num_pages=40, dtype=jnp.bfloat16)
+    k8, k_scale = quantize_index_k_fp8(k_cache)
+    kw = dict(kv_lens=jnp.array([128, 70, 9, 33, 0], jnp.int32), page_table=page_table,
+              seq_ids=jnp.array([0, 1, 1, 0, 1], jnp.int32), k_scale=k_scale)
+    want = index_logits_reference(q, w, k8, **kw)
+    got, gmax = index_logits_pallas(q, w, k8, block_kv=16, tiles_per_program=tiles_per_program, block_q=block_q,
+                                    group_max=4, interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(got[:5]), np.asarray(want), rtol=1e-4, atol=1e-4)
+    pos = jnp.arange(got.shape[1], dtype=jnp.int32)
+    lens = jnp.pad(kw["kv_lens"], (0, got.shape[0] - 5))
+    want_gmax = jax.vmap(lambda row, n: masked_keys_and_group_max(row, pos, n, 4)[1])(got, lens)
+    np.testing.assert_array_equal(np.asarray(gmax), np.asarray(want_gmax))
+
+
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_k_covering_the_whole_row_selects_every_visible_key_in_order(impl):
     """topk >= the keys a row of the table holds (6 pages of 8): every visible key, listed first and in order, which
@@ -278,12 +297,14 @@ def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
                                                                seq_ids=s, topk=2048, fuse_group_max=fuse)),
             S((64, 64, 128), jnp.bfloat16), S((64, 64), jnp.float32), S((512, 64, 128), jnp.float8_e4m3fn),
             S((512, 64), jnp.float32), S((2, 256), jnp.int32), S((64,), jnp.int32), S((64,), jnp.int32))
-    # A decode batch of 16 rows over 131,136 keys: the split selection (9 segments of 16,384, then the candidates).
-    cuda_lowering(jax.jit(
-        lambda q, w, k, ks, pt, s, n: indexer_topk_pallas(q, w, k, k_scale=ks, kv_lens=n, page_table=pt, seq_ids=s,
-                                                           topk=2048)),
-        S((16, 64, 128), jnp.bfloat16), S((16, 64), jnp.float32), S((4096, 64, 128), jnp.float8_e4m3fn),
-        S((4096, 64), jnp.float32), S((16, 2049), jnp.int32), S((16,), jnp.int32), S((16,), jnp.int32))
+    # A decode batch of 16 rows over 131,136 keys: the split selection (9 segments of 16,384, then the candidates),
+    # with one key tile per logits program and with eight.
+    for logits_options in [None, dict(tiles_per_program=8)]:
+        cuda_lowering(jax.jit(
+            lambda q, w, k, ks, pt, s, n: indexer_topk_pallas(q, w, k, k_scale=ks, kv_lens=n, page_table=pt,
+                                                               seq_ids=s, topk=2048, logits_options=logits_options)),
+            S((16, 64, 128), jnp.bfloat16), S((16, 64), jnp.float32), S((4096, 64, 128), jnp.float8_e4m3fn),
+            S((4096, 64), jnp.float32), S((16, 2049), jnp.int32), S((16,), jnp.int32), S((16,), jnp.int32))
 
 
 @pytest.mark.gpu
