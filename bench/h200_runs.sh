@@ -52,7 +52,7 @@ for what in "$@"; do
           long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 $dense; done ;;
     long_dsa_profile) long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 --profile /tmp/prof_long ;;
     fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
-        --log "$OUT/fp8_${FP8_ONLY:-main}.log" ${FP8_SWEEP:-} 2>&1 | grep -v Warning | tail -40 ;;
+        --log "$OUT/fp8_$(echo "${FP8_ONLY:-main}" | tr , _).log" ${FP8_SWEEP:-} 2>&1 | grep -v Warning | tail -40 ;;
     fp8_sweep) FP8_ONLY=sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
     fp8_gsweep) FP8_ONLY=grouped_sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
     fp8_engine) for run in "pallas --fp8-block" "mosaic --fp8-block" "pallas"; do  # the FP8 GPU paths (Triton's

@@ -9,15 +9,18 @@ bf16 (`docs/BENCHMARKS.md`), while cuBLASLt's e4m3 GEMM reaches 1,337 on the sam
 product must be scaled (x's row scales times w's block scale) and added to a float32 total before the next, and in
 the Triton lowering nothing overlaps that promotion with the tensor cores. Here a producer warpgroup streams x and w
 tiles (and their scales) into shared memory through TMA, `steps_in_flight` steps ahead, and two consumer warpgroups
-each own half of a [2 * tile_m, tile_n] output tile: while one scales its product, the other's wgmma runs.
+each own half of a [2 * tile_m, 128] output tile: while one scales its product, the other's wgmma runs.
 
-Per K step, per consumer: a wgmma of its [tile_m, 128] x tile and the [tile_n, 128] w tile (w is stored [N, K],
+Per K step, per consumer: a wgmma of its [tile_m, 128] x tile and the [128, 128] w tile (w is stored [N, K],
 K-major, as e4m3 wgmma wants its B operand, and read through a transposed view) into a fresh accumulator, then
-total += product * x_scale[rows] * w_scale[columns' blocks] in registers (DeepSeek-V3's promotion: the FP8 MMA's reduced
-accumulator precision is confined to 128-term chains). The output tiles are handed out by a persistent loop over
-the SMs.
+total += product * (x_scale[rows] * w_scale[block]) in registers, one multiply-add per element (DeepSeek-V3's
+promotion: the FP8 MMA's reduced accumulator precision is confined to 128-term chains). The column tile is one
+scale block wide, so w's scale is a scalar per step. Wider column tiles (two 128-column blocks) or two row tiles per
+consumer need two float32 accumulators of 128 registers a thread each and spilled (397 and 418 TFLOP/s on the H200
+where this tile reached 682, before the scalar scale and the grouped sweep). The output tiles are handed out by a
+persistent loop over the SMs, in groups of row tiles that share each column tile of w (`_work_tile`).
 
-Shapes: M a multiple of 2 * tile_m, N of tile_n (a multiple of 128), K of 128 (the wrapper in `fp8_matmul` pads M). Runs on jax >= 0.11
+Shapes: M a multiple of 2 * tile_m, N and K of 128 (the wrapper in `fp8_matmul` pads M). Runs on jax >= 0.11
 (Pallas Mosaic GPU with warpgroup semantics); `interpret=True` runs it on CPU in Mosaic GPU's interpreter.
 """
 
@@ -31,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 BLOCK = 128  # the scale block along both N and K; also the K step and the column tile
+SCALE_LANES = 4  # w's block scales are read 16 bytes (TMA's smallest copy) at a time: each is stored 4 times
 
 
 def _mosaic():
@@ -44,10 +48,11 @@ def _num_sms() -> int:
 
 
 def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16, tile_m: int = 64,
-                            tile_n: int = 128, steps_in_flight: int = 4, num_programs: int | None = None,
+                            steps_in_flight: int = 4, group_items: int = 16, num_programs: int | None = None,
                             interpret: bool = False):
-    """See the module docstring. Output tiles are [2 * tile_m, tile_n] (tile_n a multiple of 128), each consumer
-    warpgroup computing [tile_m, tile_n] of it; `steps_in_flight` K steps are loaded ahead."""
+    """See the module docstring. Output tiles are [2 * tile_m, 128], each consumer warpgroup computing
+    [tile_m, 128] of it; `steps_in_flight` K steps are loaded ahead; `group_items` row tiles are swept together
+    (each column tile of w is read once per group; see `_work_tile`)."""
     M, N = x8.shape[0], w8.shape[0]
     cta_m = 2 * tile_m
     if M % cta_m:
@@ -55,13 +60,13 @@ def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16,
     _check_scales(x8, x_scale, w8[None], w_scale[None])
     tiles = jnp.arange(M // cta_m, dtype=jnp.int32)
     out = _scaled_gemm(x8, x_scale, w8[None], w_scale[None], jnp.zeros_like(tiles), tiles, out_dtype=out_dtype,
-                       tile_m=tile_m, tile_n=tile_n, steps_in_flight=steps_in_flight, num_programs=num_programs,
-                       interpret=interpret)
+                       tile_m=tile_m, steps_in_flight=steps_in_flight, group_items=group_items,
+                       num_programs=num_programs, interpret=interpret)
     return out.reshape(M, N)  # item i is row tile i
 
 
 def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, out_dtype=jnp.bfloat16,
-                                    tile_m: int = 64, tile_n: int = 128, steps_in_flight: int = 4,
+                                    tile_m: int = 64, steps_in_flight: int = 4, group_items: int = 16,
                                     num_programs: int | None = None, interpret: bool = False):
     """Rows x8[M, K] sorted by expert (`grouped_matmul`'s layout), row r times w8[g(r)]ᵀ (w8[E, N, K]) with block
     scales -> [M, N]; rows past sum(group_sizes) are zeros.
@@ -78,8 +83,8 @@ def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, ou
     expert, tile, start, end = make_schedule(group_sizes, M, cta_m)
     pad = -M % cta_m
     blocks = _scaled_gemm(jnp.pad(x8, ((0, pad), (0, 0))), jnp.pad(x_scale, ((0, pad), (0, 0))), w8, w_scale,
-                          expert, tile, out_dtype=out_dtype, tile_m=tile_m, tile_n=tile_n,
-                          steps_in_flight=steps_in_flight, num_programs=num_programs, interpret=interpret)
+                          expert, tile, out_dtype=out_dtype, tile_m=tile_m, steps_in_flight=steps_in_flight,
+                          group_items=group_items, num_programs=num_programs, interpret=interpret)
     # The item of each row: items cover the rows in order, so it is the count of used items ending at or before it.
     used = expert >= 0
     ends = jnp.where(used, end, M + 1)
@@ -98,24 +103,35 @@ def _check_scales(x8, x_scale, w8, w_scale):
         raise ValueError(f"scales {x_scale.shape}, {w_scale.shape} do not fit x {x8.shape}, w {w8.shape}")
 
 
-def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype, tile_m, tile_n, steps_in_flight,
-                 num_programs, interpret):
+def _work_tile(work, items: int, n_iters: int, group_items: int):
+    """(item, column tile) of a persistent loop's work index. Items are swept in groups of `group_items`, and within
+    a group the column tile is the slow index: the SMs at work together read a few column tiles of w (streamed
+    from HBM once per group) against the group's rows (which stay in L2). Row-major order instead would read all of
+    w (132 MB at DeepSeek's 18432 x 7168) from HBM once per row tile."""
+    group = work // (group_items * n_iters)
+    first = group * group_items
+    size = jnp.minimum(group_items, items - first)  # the last group may be short
+    within = work - first * n_iters
+    return first + within % size, within // size
+
+
+def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype, tile_m, steps_in_flight,
+                 group_items, num_programs, interpret):
     """blocks[i] = x8[row tile item_tile[i]] @ w8[item_expert[i]]ᵀ with the block scales, float32 promotion per K
     step -> [items, 2 * tile_m, N]; items whose expert is not in [0, E) are skipped (their block is left as is)."""
     plgpu = _mosaic()
     (M, K), (E, N, _) = x8.shape, w8.shape
-    cta_m = 2 * tile_m  # one [tile_m, tile_n] half per consumer warpgroup
-    if N % tile_n or tile_n % BLOCK:
-        raise ValueError(f"N={N} must be a multiple of tile_n={tile_n}, itself a multiple of {BLOCK}")
-    items, n_iters, k_iters = item_expert.shape[0], N // tile_n, K // BLOCK
-    # Scales in the layout the K loop reads them, one row per K step: x's per row, w's per column (its block's
-    # scale repeated over the block's 128 columns: N floats a step, a few MB in all).
+    cta_m = 2 * tile_m  # one [tile_m, 128] half per consumer warpgroup
+    items, n_iters, k_iters = item_expert.shape[0], N // BLOCK, K // BLOCK
+    group_items = max(1, min(group_items, items))
+    # Scales in the layout the K loop reads them, one row per K step: x's per row, w's per column block (each
+    # repeated SCALE_LANES times: a TMA copy moves at least 16 bytes).
     xs_t = x_scale.astype(jnp.float32).T
-    ws_t = jnp.repeat(jnp.swapaxes(w_scale.astype(jnp.float32), 1, 2), BLOCK, axis=2)  # [E, K/128, N]
+    ws_t = jnp.repeat(jnp.swapaxes(w_scale.astype(jnp.float32), 1, 2), SCALE_LANES, axis=2)  # [E, K/128, N/32]
     swizzle = plgpu.find_swizzle(BLOCK * 8)  # a 128-byte e4m3 row
     operand = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
     out_bits = jnp.dtype(out_dtype).itemsize * 8
-    out_swizzle = plgpu.find_swizzle(tile_n * out_bits)
+    out_swizzle = plgpu.find_swizzle(BLOCK * out_bits)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
 
     def pipeline(step, context):
@@ -124,19 +140,20 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
             max_concurrent_steps=steps_in_flight, compute_context=context,
             in_specs=[
                 plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((tile_n, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((1, tile_n), lambda k: (k, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((1, SCALE_LANES), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ])
 
     def kernel(expert_gmem, tile_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem):
         def no_op(*args, **kwargs):
             return None
 
-        allocations = pipeline(no_op, no_op).get_allocations(x_gmem, w_gmem.at[0], xs_gmem, ws_gmem.at[0])
+        allocations = pipeline(no_op, no_op).get_allocations(
+            x_gmem, w_gmem.at[0, pl.ds(0, BLOCK)], xs_gmem, ws_gmem.at[0, :, pl.ds(0, SCALE_LANES)])
 
         @functools.partial(pl.run_scoped, allocations=allocations,
-                           out_smem=plgpu.SMEM((2, tile_m, tile_n), out_dtype, transforms=out_transforms),
+                           out_smem=plgpu.SMEM((2, tile_m, BLOCK), out_dtype, transforms=out_transforms),
                            collective_axes="wg")
         def _scope(allocations, out_smem):
             wg = lax.axis_index("wg")
@@ -144,24 +161,25 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
             @plgpu.nd_loop((items * n_iters,), collective_axes="sm")
             def _work(loop):
                 (work,) = loop.index
-                item, n_idx = work // n_iters, work % n_iters  # consecutive work shares x rows
+                item, n_idx = _work_tile(work, items, n_iters, group_items)
                 expert, m_idx = expert_gmem[item], tile_gmem[item]
                 rows = pl.ds(wg * tile_m, tile_m)
-                columns = pl.ds(n_idx * tile_n, tile_n)
+                columns = pl.ds(n_idx * BLOCK, BLOCK)
 
                 def step(indices, x_smem, w_smem, xs_smem, ws_smem, total):
                     def product(acc):
                         plgpu.wgmma(acc, x_smem.at[rows], w_smem.transpose((1, 0)))
                         return acc[...]
 
-                    part = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+                    part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
+                    # The column tile is one scale block of w: its scale is a scalar, folded into the row scales,
+                    # so the promotion is one multiply-add per element.
                     row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    column_scale = plgpu.load(ws_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-                    return total + (part * lax.broadcast_in_dim(row_scale, part.shape, [0])
-                                    * lax.broadcast_in_dim(column_scale, part.shape, [1]))
+                    scale = row_scale * ws_smem[0, 0]
+                    return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
                 def context(run):
-                    total = run(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA))
+                    total = run(plgpu.layout_cast(jnp.zeros((tile_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
                     out_smem[wg] = total.astype(out_dtype)
                     plgpu.commit_smem()
@@ -171,8 +189,8 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                 def _routed():
                     pipeline(step, context)(
                         x_gmem.at[pl.ds(m_idx * cta_m, cta_m), :], w_gmem.at[expert, columns, :],
-                        xs_gmem.at[:, pl.ds(m_idx * cta_m, cta_m)], ws_gmem.at[expert, :, columns],
-                        allocations=allocations)
+                        xs_gmem.at[:, pl.ds(m_idx * cta_m, cta_m)],
+                        ws_gmem.at[expert, :, pl.ds(n_idx * SCALE_LANES, SCALE_LANES)], allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -216,12 +216,14 @@ def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, 
 
 def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_ids=None, k_scale=None,
                         n_pad: int | None = None, block_q: int | None = None, block_kv: int = 128,
-                        tiles_per_program: int = 1, num_warps: int = 4, group_max: int = 0,
+                        tiles_per_program: int | None = None, num_warps: int = 4, group_max: int = 0,
                         interpret: bool = False):
     """float32 logits [T_pad, n_pad] (rows past T and columns past the page table are -inf / padding).
 
     Each program scores `block_q` queries against `tiles_per_program` key tiles of `block_kv`, loading the queries
-    once (decode: more keys per q load; n_pad must be a multiple of block_kv * tiles_per_program).
+    once (n_pad must be a multiple of block_kv * tiles_per_program). By default decode takes 4 tiles a program where
+    they divide the row: on the H200 at 131k keys, 3-5% less time at 16 and 32 queries, the same at 1
+    (`bash bench/h200_runs.sh idx_decode`, 2026-12-01).
     With `group_max = G > 0` also the rows' group maxima (`topk_select.masked_keys_and_group_max`) int32
     [T_pad, n_pad / G], returned as (logits, gmax) for `select_topk_pallas(..., gmax=)`."""
     T, Hi, D = q.shape
@@ -235,11 +237,13 @@ def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_id
     block_kv = min(block_kv, n_pad)
     if group_max and block_kv % group_max:
         raise ValueError(f"the key tile {block_kv} must hold whole groups of {group_max}")
-    if n_pad % (block_kv * tiles_per_program):
-        raise ValueError(f"{n_pad} columns are no whole number of programs of {tiles_per_program} x {block_kv} keys")
     if block_q is None:
         # Decode (one query per sequence) gains nothing from blocking queries; prefill reuses each K tile 4x.
         block_q = 4 if T >= 64 else 1
+    if tiles_per_program is None:
+        tiles_per_program = 4 if block_q == 1 and not n_pad % (4 * block_kv) else 1
+    if n_pad % (block_kv * tiles_per_program):
+        raise ValueError(f"{n_pad} columns are no whole number of programs of {tiles_per_program} x {block_kv} keys")
     t_pad = pl.cdiv(T, block_q) * block_q
     pad_t = t_pad - T
     q = jnp.pad(q, ((0, pad_t), (0, 0), (0, 0)))
