@@ -34,7 +34,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 BLOCK = 128  # the scale block along both N and K; also the K step and the column tile
-SCALE_LANES = 4  # w's block scales are read 16 bytes (TMA's smallest copy) at a time: each is stored 4 times
+# w's block scales are stored SCALE_LANES times each and read 128 bytes at a time: a TMA copy into shared memory
+# needs its destination 128-byte aligned, and the pipeline's buffers of 16-byte copies were not (the H200 reported a
+# misaligned address).
+SCALE_LANES = 32
 
 
 def _mosaic():
@@ -125,9 +128,9 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
     items, n_iters, k_iters = item_expert.shape[0], N // BLOCK, K // BLOCK
     group_items = max(1, min(group_items, items))
     # Scales in the layout the K loop reads them, one row per K step: x's per row, w's per column block (each
-    # repeated SCALE_LANES times: a TMA copy moves at least 16 bytes).
+    # repeated SCALE_LANES times, see there).
     xs_t = x_scale.astype(jnp.float32).T
-    ws_t = jnp.repeat(jnp.swapaxes(w_scale.astype(jnp.float32), 1, 2), SCALE_LANES, axis=2)  # [E, K/128, N/32]
+    ws_t = jnp.repeat(jnp.swapaxes(w_scale.astype(jnp.float32), 1, 2), SCALE_LANES, axis=2)  # [E, K/128, N/4]
     swizzle = plgpu.find_swizzle(BLOCK * 8)  # a 128-byte e4m3 row
     operand = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
     out_bits = jnp.dtype(out_dtype).itemsize * 8
