@@ -33,8 +33,9 @@ GPU paths (what `impl="auto"` will take there once they pass on the H200, see GP
     input_scale · weight_scale. `impl="pallas"` runs the block kernel with the scales broadcast per block instead.
   * per-tensor grouped: the block kernel with each expert's scales broadcast per block (`ragged_dot` takes e4m3
     operands but is no fast path on the GPU).
-  * block-scaled, `impl="mosaic"` (asked for only, while it is measured): `fp8_matmul_mosaic`, a warp-specialized
-    wgmma kernel on Pallas' Mosaic GPU backend (jax >= 0.11), dense and grouped, rows padded to its 128-row tile.
+  * block-scaled (128, 128) with N and K multiples of 128, where jax has Pallas' Mosaic GPU backend (jax >= 0.11):
+    `fp8_matmul_mosaic` (`impl="mosaic"`), a warp-specialized wgmma kernel, dense (from MOSAIC_MIN_ROWS rows) and
+    grouped, rows padded to its 128-row tile; see BLOCK_KERNEL.
 On CPU `auto` runs the reference, and `interpret=True` runs the Pallas kernels in interpret mode (as the tests do).
 """
 
@@ -58,10 +59,25 @@ IMPLS = ("auto", "pallas", "xla", "xla_fp8", "mosaic")  # xla_fp8: per-tensor on
 # `bash bench/h200_runs.sh fp8_engine` and the GPU suite with this set have, `auto` runs the reference there too.
 # impl="pallas" / "xla_fp8" ask for the GPU paths explicitly, and JAXMODELS_FP8_GPU_PATHS=1 makes `auto` take them.
 GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS") == "1"
-# Which kernel `auto` runs block-scaled (128, 128) weights on when it takes the GPU paths: "pallas" (Triton) or
-# "mosaic" (`fp8_matmul_mosaic`, where N and K are multiples of 128), while the two are compared
-# (JAXMODELS_FP8_BLOCK_KERNEL=mosaic: bench/h200_runs.sh fp8_engine).
-BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL", "pallas")
+
+
+def _mosaic_kernels_available() -> bool:
+    """Pallas' Mosaic GPU backend with warp-specialized pipelines and its interpreter (jax >= 0.11)."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError:
+        return False
+    return hasattr(plgpu, "emit_pipeline_warp_specialized") and hasattr(plgpu, "InterpretGPUParams")
+
+
+# Which kernel `auto` runs block-scaled (128, 128) weights on (N and K multiples of 128) when it takes the GPU paths:
+# "mosaic" (`fp8_matmul_mosaic`) where jax has it, else "pallas" (Triton); JAXMODELS_FP8_BLOCK_KERNEL picks one.
+# On the H200 (2026-12-01, `bash bench/h200_runs.sh fp8`, bf16 alongside): dense M=4096 K=7168 N=18432 Mosaic
+# 1.073 ms, Triton 2.99 ms, bf16 1.578; the MoE grouped matmul Mosaic x1.34-1.62 of bf16, Triton x0.23-1.06. Dense
+# rows below MOSAIC_MIN_ROWS stay on Triton: at 16 rows it takes 44 us, Mosaic (rows padded to its 128-row tile,
+# 144 column tiles on 132 SMs) 68 us.
+BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL") or ("mosaic" if _mosaic_kernels_available() else "pallas")
+MOSAIC_MIN_ROWS = 65
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
 PER_TENSOR_BLOCK = (128, 128)
 
@@ -230,7 +246,7 @@ def _unverified_auto(impl: str, interpret: bool) -> str:
 def _matmul_impl(impl: str, block, interpret: bool) -> str:
     """"xla", "xla_fp8", "pallas" or "mosaic" for fp8_matmul: `auto` on the GPU takes cuBLASLt's FP8 GEMM for
     per-tensor weights and the Pallas kernel for block-scaled ones (unless the kernel cannot take the block: the
-    reference); "mosaic" (the Mosaic GPU kernel, jax >= 0.11) only when asked for."""
+    reference), which `fp8_matmul` may then hand to the Mosaic kernel (`_auto_takes_mosaic`)."""
     if impl == "mosaic":
         _check_mosaic_block(block)
         return impl
@@ -250,7 +266,7 @@ def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None
     _check_operands(x, w, impl, IMPLS)
     _check_scales(w, w_scale, block, input_scale, stacked=0)
     which = _matmul_impl(impl, block, interpret)
-    if _auto_takes_mosaic(impl, which, block, w.shape, interpret):
+    if _auto_takes_mosaic(impl, which, block, w.shape, interpret) and x.shape[0] >= MOSAIC_MIN_ROWS:
         which = "mosaic"
     if which == "xla":
         return fp8_matmul_reference(x, w, w_scale, block=block, input_scale=input_scale, pow2_scales=pow2_scales)

@@ -372,7 +372,7 @@ def test_auto_picks_the_gpu_paths_on_a_gpu(monkeypatch):
         _matmul_impl("xla_fp8", BLOCK, interpret=False)
 
 
-def test_auto_takes_the_mosaic_kernel_when_asked(monkeypatch):
+def test_auto_hands_block_scaled_weights_to_the_mosaic_kernel_per_block_kernel(monkeypatch):
     from pallas_kernels.fp8_matmul import _auto_takes_mosaic
 
     monkeypatch.setattr(fp8_matmul_module, "BLOCK_KERNEL", "mosaic")
@@ -383,6 +383,21 @@ def test_auto_takes_the_mosaic_kernel_when_asked(monkeypatch):
     assert not _auto_takes_mosaic("auto", "xla", BLOCK, (256, 7168), interpret=False)  # the reference's turn
     monkeypatch.setattr(fp8_matmul_module, "BLOCK_KERNEL", "pallas")
     assert not _auto_takes_mosaic("auto", "pallas", BLOCK, (256, 7168), interpret=False)
+
+
+def test_auto_keeps_few_dense_rows_on_the_triton_kernel(monkeypatch):
+    """On a GPU with the Mosaic kernels chosen, a dense product of fewer than MOSAIC_MIN_ROWS rows (decode) runs the
+    Triton kernel, more rows and every grouped product the Mosaic one (kernels replaced by recorders: no GPU here)."""
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(fp8_matmul_module, "GPU_PATHS_VERIFIED", True)
+    monkeypatch.setattr(fp8_matmul_module, "BLOCK_KERNEL", "mosaic")
+    ran = []
+    monkeypatch.setattr(fp8_matmul_module, "_mosaic_matmul", lambda x, *a, **k: ran.append("mosaic") or x)
+    monkeypatch.setattr(fp8_matmul_module, "fp8_block_matmul", lambda x8, *a, **k: ran.append("triton") or x8)
+    w8, w_scale = random_weight(jax.random.key(0), (256, 256), BLOCK)
+    for rows in [1, fp8_matmul_module.MOSAIC_MIN_ROWS - 1, fp8_matmul_module.MOSAIC_MIN_ROWS, 4096]:
+        fp8_matmul(jnp.ones((rows, 256)), w8, w_scale, block=BLOCK)
+    assert ran == ["triton", "triton", "mosaic", "mosaic"]
 
 
 def test_auto_runs_the_reference_on_cpu(monkeypatch):
