@@ -13,7 +13,8 @@ import pytest
 from pallas_kernels import indexer_topk, quantize_index_k_fp8
 from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, indexer_topk_pallas,
                                          topk_reference)
-from pallas_kernels.topk_select import count_ge, kth_largest_key, masked_keys_and_group_max, select_topk_pallas
+from pallas_kernels.topk_select import (GROUP, count_ge, kth_largest_key, masked_keys_and_group_max,
+                                       select_topk_pallas)
 
 
 def assert_topk_valid(idx, scores, kv_lens, topk, tol=0.0):
@@ -149,6 +150,10 @@ def test_indexer_topk_paged_prefill_and_decode():
     assert_topk_valid(ref, ref_logits, kv_lens, topk)
 
 
+# On a GPU, interpret mode is compiled by XLA, which may compute a logits row twice (for the stored logits and for
+# the group maxima) with different multiply-add contraction: 1-2 float32 ulps apart (seen on the H200 with several key
+# tiles a program). The compiled kernel computes it once: test_compiled_logits_fuse_exact_group_maxima_on_gpu.
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("tiles_per_program, block_q", [(2, 1), (4, 1), (2, 4)])
 def test_logits_with_several_key_tiles_per_program(tiles_per_program, block_q):
     """A program scoring several key tiles with its queries loaded once: rows ending inside a program's span (its
@@ -182,6 +187,7 @@ def test_k_covering_the_whole_row_selects_every_visible_key_in_order(impl):
     assert_topk_valid(got, index_logits_reference(q, w, k_cache, **kw), kv_lens, 48)
 
 
+@pytest.mark.cpu_only  # the group maxima of interpret mode, see above
 @pytest.mark.parametrize("fuse_group_max", [True, False])
 def test_indexer_topk_long_rows_with_fused_group_maxima(fuse_group_max):
     """Rows longer than 4·next_pow2(k) go through the group-maxima bound, taken from the logits kernel (fused) or
@@ -305,6 +311,32 @@ def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
                                                                seq_ids=s, topk=2048, logits_options=logits_options)),
             S((16, 64, 128), jnp.bfloat16), S((16, 64), jnp.float32), S((4096, 64, 128), jnp.float8_e4m3fn),
             S((4096, 64), jnp.float32), S((16, 2049), jnp.int32), S((16,), jnp.int32), S((16,), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compiled_logits_fuse_exact_group_maxima_on_gpu(fp8):
+    """The compiled logits kernel at decode (one query a program, by default 4 key tiles each), bf16 or FP8 keys: the
+    group maxima it returns are those of the logits it stores, bit for bit, which the select's bound needs; rows
+    ending mid-tile, one empty."""
+    Hi, D, page_size, max_pages, T = 64, 128, 64, 64, 16
+    q, w, k_cache, page_table = _paged_problem(jax.random.key(15), T=T, Hi=Hi, D=D, page_size=page_size,
+                                               max_pages=max_pages, num_pages=2 * max_pages + 1, dtype=jnp.bfloat16)
+    k_scale = None
+    if fp8:
+        k_cache, k_scale = quantize_index_k_fp8(k_cache)
+    kv_lens = jnp.array([4096 - 250 * i for i in range(T - 1)] + [0], jnp.int32)
+    kw = dict(kv_lens=kv_lens, page_table=page_table, seq_ids=jnp.array([0] * 8 + [1] * 8, jnp.int32),
+              k_scale=k_scale)
+    logits, gmax = jax.jit(lambda q, w, k: index_logits_pallas(q, w, k, group_max=GROUP, **kw))(q, w, k_cache)
+    want = index_logits_reference(q, w, k_cache, **kw)
+    finite = np.isfinite(np.asarray(want))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(logits[:T])), finite)
+    tol = 1e-4 * float(np.abs(np.asarray(want)[finite]).max())
+    np.testing.assert_allclose(np.asarray(logits[:T])[finite], np.asarray(want)[finite], rtol=0, atol=tol)
+    pos = jnp.arange(logits.shape[1], dtype=jnp.int32)
+    want_gmax = jax.vmap(lambda row, n: masked_keys_and_group_max(row, pos, n, GROUP)[1])(logits[:T], kv_lens)
+    np.testing.assert_array_equal(np.asarray(gmax[:T]), np.asarray(want_gmax))
 
 
 @pytest.mark.gpu
