@@ -11,6 +11,9 @@ from jaxmodels.layers.fp8_linear import Fp8ExpertStack, Fp8Linear
 EPSILON = 2.0 ** -4 / math.sqrt(3)  # the relative RMS error one FP8 GEMM adds at most
 GEMMS_IN_SERIES = {"nemotron_h": 2, "deepseek_v32": 5, "glm_moe_dsa": 5}  # per layer holding FP8 layers
 TIE_SIGMAS = 3
+# The FP8 tensor cores' accumulation keeps about 14 bits within each 128-term chain: a GEMM on them is within about
+# 2^-13 of sum |terms| of the exact sum; twice that is the bound (tests/pallas_kernels/test_fp8_matmul.summation_bound).
+TENSOR_CORE_BOUND = 2.0 ** -12
 
 
 def fp8_gemms_in_series(model) -> int:
@@ -32,3 +35,18 @@ def is_tie(reference_logits, model) -> bool:
     top2 = np.sort(reference_logits)[-2:]
     spread = math.sqrt(2) * rms_bound(model) * float(np.sqrt(np.mean(np.square(reference_logits))))
     return top2[1] - top2[0] <= TIE_SIGMAS * spread
+
+
+def fp8_gemms_run_on_tensor_cores() -> bool:
+    """Whether `auto` FP8 GEMMs run on a GPU's FP8 tensor cores here (a GPU, with the GPU paths taken): then results
+    are held to TENSOR_CORE_BOUND, not to the float32 reference's summation error."""
+    from pallas_kernels import _dispatch
+    from pallas_kernels import fp8_matmul as fp8_matmul_module
+
+    return _dispatch.on_gpu() and fp8_matmul_module.GPU_PATHS_VERIFIED
+
+
+def assert_within_summation_bound(got, want, bound):
+    """|got - want| <= bound, per element (a summation bound: float32's or the tensor cores')."""
+    error = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    assert (error <= bound).all(), f"worst error {(error / bound).max():.2f}x the summation bound"

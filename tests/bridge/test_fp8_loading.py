@@ -174,15 +174,18 @@ def with_kv_cache_scales(checkpoint, destination, *, declared: bool) -> str:
 
 def test_modelopt_kv_cache_scales_are_read_past(tmp_path):
     """A ModelOpt FP8 Nemotron-H checkpoint with an FP8 KV cache declared loads (its k/v scales unused, the cache
-    keeping the model's dtype) and computes what the same checkpoint without them does; undeclared, the scales are
-    unexpected tensors, as any other would be."""
+    keeping the model's dtype) into the same model as the checkpoint without them: one compiled forward takes both
+    models' states (same structure, shapes and dtypes) and gives equal logits. (One executable: on the H200 with the
+    FP8 GPU paths, two models run op by op were not bitwise equal, cause not captured; separate compilations may pick
+    different cuBLASLt algorithms.) Undeclared, the scales are unexpected tensors, as any other would be."""
     ids = np.random.default_rng(2).integers(0, 97, size=(1, 7))
     plain = make_fp8_case("nemotron_h", tmp_path / "case", calibration_ids=[ids]).fp8_dir
     scaled = with_kv_cache_scales(plain, tmp_path / "kv", declared=True)
     ids = jnp.asarray(ids)
-    want = jaxmodels.load_model(plain, progress=False)(ids)
-    got = jaxmodels.load_model(scaled, progress=False)(ids)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    graphdef, state = nnx.split(jaxmodels.load_model(plain, progress=False))
+    _, scaled_state = nnx.split(jaxmodels.load_model(scaled, progress=False))
+    forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids)).lower(state, ids).compile()
+    np.testing.assert_array_equal(np.asarray(forward(scaled_state, ids)), np.asarray(forward(state, ids)))
     undeclared = with_kv_cache_scales(plain, tmp_path / "kv_undeclared", declared=False)
     with pytest.raises(CheckpointError, match=r"unexpected(.|\n)*mixer\.k_proj\.k_scale"):
         jaxmodels.load_model(undeclared, progress=False)

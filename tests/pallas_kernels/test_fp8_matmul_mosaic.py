@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.fp8_matmul import fp8_matmul
-from tests.pallas_kernels.test_fp8_matmul import (BLOCK, assert_within_summation_bound, random_weight,
-                                                  summation_bound)
+from tests.fp8_bounds import assert_within_summation_bound
+from tests.pallas_kernels.test_fp8_matmul import BLOCK, random_weight, summation_bound
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 if not hasattr(plgpu, "InterpretGPUParams"):  # jax 0.10: no warpgroup pipelines to interpret
