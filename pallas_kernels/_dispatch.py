@@ -4,6 +4,8 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 log = logging.getLogger("pallas_kernels")
 
@@ -12,9 +14,27 @@ IMPLS = ("auto", "pallas", "xla")
 # bytes (jax/_src/pallas/triton/lowering.py, `_compute_offsets_from_indices`): an array of 1-byte elements between
 # 2^31 and 2^32 elements is addressed with offsets that overflow (on the H200: an illegal address in the FP8 grouped
 # GEMM, other keys selected by the DSA indexer over its FP8 key pool). Arrays of 2-byte or wider elements pass 2^32
-# bytes, and switch to 64-bit offsets, before their offsets reach 2^31. The FP8 GEMMs take such operands as byte
-# pairs (fp8_matmul_pallas); the engine keeps its 1-byte cache pools below (jaxmodels.engine.cache).
+# bytes, and switch to 64-bit offsets, before their offsets reach 2^31. The FP8 GEMMs and the indexer's logits kernel
+# take such operands as byte pairs (below); the engine keeps its 1-byte cache pools below 2^31 elements
+# (jaxmodels.engine.cache) until the indexer's pairs have run on a GPU.
 MAX_BYTE_ELEMENTS = 2**31 - 1
+
+
+def needs_byte_pairs(*operands) -> bool:
+    """Whether a 1-byte operand is too large for 32-bit element offsets yet small enough to get no 64-bit ones
+    (MAX_BYTE_ELEMENTS)."""
+    return any(a.dtype.itemsize == 1 and MAX_BYTE_ELEMENTS < a.size <= 2**32 for a in operands)
+
+
+def as_byte_pairs(a: jax.Array) -> jax.Array:
+    """e4m3 [..., K] (K even) -> uint16 [..., K/2], channel 2j in the low byte of pair j: a bitcast, no copy."""
+    return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), jnp.uint16)
+
+
+def split_byte_pairs(pairs):
+    """uint16 tile -> (e4m3 of its low bytes, e4m3 of its high bytes): the even and the odd channels."""
+    as_e4m3 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float8_e4m3fn)
+    return as_e4m3((pairs & 0xFF).astype(jnp.uint8)), as_e4m3((pairs >> 8).astype(jnp.uint8))
 
 
 def on_gpu() -> bool:

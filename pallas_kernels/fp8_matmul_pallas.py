@@ -42,7 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import MAX_BYTE_ELEMENTS, first_problem, pow2_tile_problem
+from ._dispatch import (MAX_BYTE_ELEMENTS, as_byte_pairs, first_problem, needs_byte_pairs,
+                        pow2_tile_problem, split_byte_pairs)
 from .grouped_matmul import default_block_m, make_schedule
 
 
@@ -75,23 +76,6 @@ def pallas_problem(block: tuple[int, int], block_m: int | None = None, block_n: 
                          block_n and pow2_tile_problem("block_n", block_n))
 
 
-def needs_byte_pairs(*operands) -> bool:
-    """Whether a 1-byte operand is too large for 32-bit element offsets yet small enough to get no 64-bit ones
-    (`_dispatch.MAX_BYTE_ELEMENTS`)."""
-    return any(a.dtype.itemsize == 1 and MAX_BYTE_ELEMENTS < a.size <= 2**32 for a in operands)
-
-
-def as_byte_pairs(a: jax.Array) -> jax.Array:
-    """e4m3 [..., K] (K even) -> uint16 [..., K/2], channel 2j in the low byte of pair j: a bitcast, no copy."""
-    return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), jnp.uint16)
-
-
-def _split_pairs(pairs):
-    """uint16 tile -> (e4m3 of its low bytes, e4m3 of its high bytes): the even and the odd channels."""
-    as_e4m3 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float8_e4m3fn)
-    return as_e4m3((pairs & 0xFF).astype(jnp.uint8)), as_e4m3((pairs >> 8).astype(jnp.uint8))
-
-
 def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, block_m, block_n, byte_pairs):
     """float32 [BM, BN]: Σ over K blocks of (x8 · w8[e]ᵀ)[rows r0.., cols n0..] · x scale (per row) · w scale (per
     column), the K blocks in order. With `byte_pairs` x_ref and w_ref hold uint16 channel pairs (`as_byte_pairs`)."""
@@ -112,7 +96,7 @@ def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, blo
         xt = plgpu.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, bk // width)], mask=x_mask, **fill)
         wt = plgpu.load(w_ref.at[e, pl.ds(n0, block_n), pl.ds(k0, bk // width)], mask=w_mask, **fill)
         if byte_pairs:
-            (x_even, x_odd), (w_even, w_odd) = _split_pairs(xt), _split_pairs(wt)
+            (x_even, x_odd), (w_even, w_odd) = split_byte_pairs(xt), split_byte_pairs(wt)
             part = (lax.dot_general(x_even, w_even, nt, preferred_element_type=jnp.float32)
                     + lax.dot_general(x_odd, w_odd, nt, preferred_element_type=jnp.float32))
         else:

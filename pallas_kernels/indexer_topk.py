@@ -44,7 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, first_problem, next_pow2, pow2_tile_problem, resolve_impl
+from ._dispatch import (as_byte_pairs, dot_precision, first_problem, needs_byte_pairs, next_pow2, pow2_tile_problem,
+                        resolve_impl, split_byte_pairs)
 from .topk_select import GROUP, masked_keys_and_group_max, select_topk_pallas  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -141,7 +142,7 @@ def indexer_topk(q, weights, k_cache, *, kv_lens, topk: int, page_table=None, se
 # ----------------------------------------------------------------------------------------------------------------
 
 def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, block_q, block_kv, tiles_per_program,
-                         page_size, max_pages, fp8, group):
+                         page_size, max_pages, fp8, byte_pairs, group):
     ks_ref = rest[0] if fp8 else None
     o_ref, *gmax_out = rest[1:] if fp8 else rest
     t0 = pl.program_id(0) * block_q
@@ -168,23 +169,26 @@ def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, 
         pages = plgpu.load(pt_ref.at[jnp.full((block_kv,), s, jnp.int32), page_slot])
         rows = pages * page_size + pos % page_size
         tile = plgpu.load(k_ref.at[rows[:, None], jnp.arange(d)[None, :]])
+        if byte_pairs:  # the even and the odd channels' keys
+            return tuple(half.astype(jnp.bfloat16) for half in split_byte_pairs(tile)), plgpu.load(ks_ref.at[rows])
         if fp8:
-            return tile.astype(jnp.bfloat16), plgpu.load(ks_ref.at[rows])
-        return tile, jnp.ones((block_kv,), jnp.float32)
+            return (tile.astype(jnp.bfloat16),), plgpu.load(ks_ref.at[rows])
+        return (tile,), jnp.ones((block_kv,), jnp.float32)
 
     def compute_tile(j0, queries):
         seq_prev = seq_ref[t0]
         tile = load_tile(seq_prev, j0)
-        for i, (q, w) in enumerate(queries):
+        for i, (q_parts, w) in enumerate(queries):
             t = t0 + i
             if i:
                 s = seq_ref[t]
                 # A query block may straddle two sequences of a packed batch: reload the tile only then.
                 tile = lax.cond(s != seq_prev, lambda s=s: load_tile(s, j0), lambda tile=tile: tile)
                 seq_prev = s
-            k_tile, k_scale = tile
-            scores = lax.dot_general(q, k_tile, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                     precision=dot_precision(k_tile.dtype))
+            k_parts, k_scale = tile
+            scores = functools.reduce(jnp.add, [
+                lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                precision=dot_precision(k.dtype)) for q, k in zip(q_parts, k_parts)])
             write(t, j0, jnp.sum(jnp.maximum(scores, 0.0) * w[:, None], axis=0) * k_scale, lens[i])
 
     def masked_tile(j0):
@@ -193,9 +197,11 @@ def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, 
 
     @pl.when(span0 < longest)
     def _compute():
-        # The queries' q and weights once per program, for all of its key tiles.
-        queries = [(q_ref[t0 + i, :, :].astype(key_dtype), w_ref[t0 + i, :].astype(jnp.float32))
-                   for i in range(block_q)]
+        # The queries' q and weights once per program, for all of its key tiles; with byte pairs q in two halves,
+        # its even channels then its odd ones (index_logits_pallas reorders them).
+        halves = [pl.ds(0, d), pl.ds(d, d)] if byte_pairs else [slice(None)]
+        queries = [(tuple(q_ref[t0 + i, :, half].astype(key_dtype) for half in halves),
+                    w_ref[t0 + i, :].astype(jnp.float32)) for i in range(block_q)]
         if tiles_per_program == 1:
             compute_tile(span0, queries)
             return
@@ -217,13 +223,16 @@ def _index_logits_kernel(seq_ref, lens_ref, pt_ref, q_ref, w_ref, k_ref, *rest, 
 def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_ids=None, k_scale=None,
                         n_pad: int | None = None, block_q: int | None = None, block_kv: int = 128,
                         tiles_per_program: int | None = None, num_warps: int = 4, group_max: int = 0,
-                        interpret: bool = False):
+                        byte_pairs: bool | None = None, interpret: bool = False):
     """float32 logits [T_pad, n_pad] (rows past T and columns past the page table are -inf / padding).
 
     Each program scores `block_q` queries against `tiles_per_program` key tiles of `block_kv`, loading the queries
     once (n_pad must be a multiple of block_kv * tiles_per_program). By default decode takes 4 tiles a program where
     they divide the row: on the H200 at 131k keys, 3-5% less time at 16 and 32 queries, the same at 1
     (`bash bench/h200_runs.sh idx_decode`, 2026-12-01).
+    FP8 keys in a pool past 2^31 elements go in as byte pairs (`_dispatch.needs_byte_pairs`; `byte_pairs` forces
+    them on or off): each pair tile splits into the even and the odd channels' keys, dotted with q's even and odd
+    channels.
     With `group_max = G > 0` also the rows' group maxima (`topk_select.masked_keys_and_group_max`) int32
     [T_pad, n_pad / G], returned as (logits, gmax) for `select_topk_pallas(..., gmax=)`."""
     T, Hi, D = q.shape
@@ -254,6 +263,12 @@ def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_id
     fp8 = k_cache.dtype == jnp.float8_e4m3fn
     if fp8 and k_scale is None:
         raise ValueError("an FP8 index-K cache needs k_scale")
+    byte_pairs = fp8 and (needs_byte_pairs(k_flat) if byte_pairs is None else byte_pairs)
+    if byte_pairs:
+        if D % 2:
+            raise ValueError(f"FP8 keys as byte pairs need an even head dim, got {D}")
+        k_flat = as_byte_pairs(k_flat)
+        q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
     args = [seqs, lens, page_table, q, weights, k_flat]
     if fp8:
         args.append(k_scale.reshape(num_pages * page_size).astype(jnp.float32))
@@ -262,7 +277,7 @@ def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_id
         out_shape.append(jax.ShapeDtypeStruct((t_pad, n_pad // group_max), jnp.int32))
     kernel = functools.partial(_index_logits_kernel, block_q=block_q, block_kv=block_kv,
                                tiles_per_program=tiles_per_program, page_size=page_size, max_pages=max_pages,
-                               fp8=fp8, group=group_max)
+                               fp8=fp8, byte_pairs=byte_pairs, group=group_max)
     out = pl.pallas_call(
         kernel,
         grid=(t_pad // block_q, n_pad // (block_kv * tiles_per_program)),

@@ -173,6 +173,24 @@ def test_logits_with_several_key_tiles_per_program(tiles_per_program, block_q):
     np.testing.assert_array_equal(np.asarray(gmax), np.asarray(want_gmax))
 
 
+@pytest.mark.parametrize("tiles_per_program", [1, 2])
+def test_fp8_keys_as_byte_pairs_score_as_the_reference(tiles_per_program):
+    """FP8 keys taken as uint16 channel pairs (what a pool past 2^31 elements needs, forced here on a small one): the
+    even and the odd channels' dots sum to the reference's logits; the selection follows."""
+    q, w, k_cache, page_table = _paged_problem(jax.random.key(16), T=5, Hi=16, D=32, page_size=8, max_pages=8,
+                                               num_pages=20, dtype=jnp.bfloat16)
+    k8, k_scale = quantize_index_k_fp8(k_cache)
+    kw = dict(kv_lens=jnp.array([64, 50, 9, 33, 0], jnp.int32), page_table=page_table,
+              seq_ids=jnp.array([0, 1, 1, 0, 1], jnp.int32), k_scale=k_scale)
+    want = index_logits_reference(q, w, k8, **kw)
+    got = index_logits_pallas(q, w, k8, block_kv=16, tiles_per_program=tiles_per_program, byte_pairs=True,
+                              interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(got[:5]), np.asarray(want), rtol=1e-4, atol=1e-4)
+    picked = indexer_topk_pallas(q, w, k8, topk=8, chunk=16, logits_options=dict(byte_pairs=True), interpret=True,
+                                 **kw)
+    assert_topk_valid(picked, want, kw["kv_lens"], 8, tol=1e-4)
+
+
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_k_covering_the_whole_row_selects_every_visible_key_in_order(impl):
     """topk >= the keys a row of the table holds (6 pages of 8): every visible key, listed first and in order, which
@@ -304,8 +322,8 @@ def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
             S((64, 64, 128), jnp.bfloat16), S((64, 64), jnp.float32), S((512, 64, 128), jnp.float8_e4m3fn),
             S((512, 64), jnp.float32), S((2, 256), jnp.int32), S((64,), jnp.int32), S((64,), jnp.int32))
     # A decode batch of 16 rows over 131,136 keys: the split selection (9 segments of 16,384, then the candidates),
-    # with one key tile per logits program and with eight.
-    for logits_options in [None, dict(tiles_per_program=8)]:
+    # with one key tile per logits program and with eight, and the keys as byte pairs (a pool past 2^31 elements).
+    for logits_options in [None, dict(tiles_per_program=8), dict(byte_pairs=True)]:
         cuda_lowering(jax.jit(
             lambda q, w, k, ks, pt, s, n: indexer_topk_pallas(q, w, k, k_scale=ks, kv_lens=n, page_table=pt,
                                                                seq_ids=s, topk=2048, logits_options=logits_options)),

@@ -3,9 +3,9 @@
 A long-context engine sizes its pools to the device memory, so one layer's KV, latent or index-key pool can hold more
 than 2^31 elements (4.3 GB of bf16 KV per layer already does), and an element offset computed in int32 would wrap.
 Each test writes a small problem at the very top of a pool just past that size, runs the kernel there, and
-compares with the same kernel on the small pool alone. Paged attention and sparse MLA (bf16 pools) pass; the
-indexer with FP8 keys does not, which is why the engine caps its 1-byte pools at 2^31 elements
-(tests/engine/test_pool_sizing.py).
+compares with the same kernel on the small pool alone. Paged attention and sparse MLA (bf16 pools) passed on the
+H200; the indexer with FP8 keys did not until it took them as byte pairs (not yet run on a GPU: the engine still caps
+its 1-byte pools at 2^31 elements, tests/engine/test_pool_sizing.py).
 """
 
 import jax
@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import indexer_topk, paged_attention, quantize_index_k_fp8, sparse_mla_attention
+from pallas_kernels._dispatch import needs_byte_pairs
+from pallas_kernels.indexer_topk import indexer_topk_pallas
 
 pytestmark = pytest.mark.gpu
 
@@ -72,9 +74,9 @@ def test_sparse_mla_attention_reads_rows_past_2_31_elements():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="Pallas' Triton lowering addresses a 1-byte array under 2^32 bytes with 32-bit "
-                   "offsets, which overflow past 2^31 (see jaxmodels.engine.cache.MAX_BYTE_POOL_ELEMENTS, the cap)")
 def test_indexer_reads_fp8_keys_past_2_31_elements():
+    """Past 2^31 elements the logits kernel takes the FP8 keys as byte pairs (32-bit offsets of a 1-byte array
+    overflow there, see `_dispatch.MAX_BYTE_ELEMENTS`); the small pool is read as pairs too, so that both sum alike."""
     index_heads, dim, page_size, topk, T = 64, 128, 64, 2048, 4
     small_pages = 1 + 2 * 64  # two sequences of 64 pages (4096 keys) each
     key = jax.random.key(2)
@@ -83,10 +85,13 @@ def test_indexer_reads_fp8_keys_past_2_31_elements():
     weights = jax.random.normal(jax.random.fold_in(key, 2), (T, index_heads), jnp.float32)
     table = np.arange(1, small_pages, dtype=np.int32).reshape(2, 64)
     meta = dict(kv_lens=jnp.array([4096, 3000, 2049, 17], jnp.int32), seq_ids=jnp.array([0, 1, 0, 1], jnp.int32),
-                topk=topk, impl="pallas")
-    want = indexer_topk(q, weights, k8, k_scale=k_scale, page_table=jnp.asarray(table), **meta)
+                topk=topk)
+    want = indexer_topk_pallas(q, weights, k8, k_scale=k_scale, page_table=jnp.asarray(table),
+                               logits_options=dict(byte_pairs=True), **meta)
     big_pages = pages_past_int32(page_size * dim, small_pages)
     shift = big_pages - small_pages
-    got = indexer_topk(q, weights, at_top(k8, big_pages), k_scale=at_top(k_scale, big_pages),
-                       page_table=jnp.asarray(table + shift), **meta)
+    big_keys = at_top(k8, big_pages)
+    assert needs_byte_pairs(big_keys)
+    got = indexer_topk(q, weights, big_keys, k_scale=at_top(k_scale, big_pages), page_table=jnp.asarray(table + shift),
+                       impl="pallas", **meta)
     np.testing.assert_array_equal(np.sort(np.asarray(got), axis=1), np.sort(np.asarray(want), axis=1))
