@@ -130,6 +130,15 @@ def _paged_problem(key, *, T, Hi, D, page_size, max_pages, num_pages, dtype=jnp.
     return q, w, k_cache, page_table
 
 
+def _fp8_five_queries(key, *, Hi, max_pages, num_pages, kv_lens):
+    """Five queries of two sequences over FP8 keys (D = 32, pages of 8): (q, w, k8, the kernels' keyword args)."""
+    q, w, k_cache, page_table = _paged_problem(key, T=5, Hi=Hi, D=32, page_size=8, max_pages=max_pages,
+                                               num_pages=num_pages, dtype=jnp.bfloat16)
+    k8, k_scale = quantize_index_k_fp8(k_cache)
+    return q, w, k8, dict(kv_lens=jnp.array(kv_lens, jnp.int32), page_table=page_table,
+                          seq_ids=jnp.array([0, 1, 1, 0, 1], jnp.int32), k_scale=k_scale)
+
+
 def test_indexer_topk_paged_prefill_and_decode():
     Hi, D, page_size, max_pages, topk = 4, 16, 8, 6, 16
     T = 13
@@ -158,11 +167,7 @@ def test_indexer_topk_paged_prefill_and_decode():
 def test_logits_with_several_key_tiles_per_program(tiles_per_program, block_q):
     """A program scoring several key tiles with its queries loaded once: rows ending inside a program's span (its
     later tiles masked) and programs wholly past every row, FP8 keys."""
-    q, w, k_cache, page_table = _paged_problem(jax.random.key(14), T=5, Hi=4, D=32, page_size=8, max_pages=16,
-                                               num_pages=40, dtype=jnp.bfloat16)
-    k8, k_scale = quantize_index_k_fp8(k_cache)
-    kw = dict(kv_lens=jnp.array([128, 70, 9, 33, 0], jnp.int32), page_table=page_table,
-              seq_ids=jnp.array([0, 1, 1, 0, 1], jnp.int32), k_scale=k_scale)
+    q, w, k8, kw = _fp8_five_queries(jax.random.key(14), Hi=4, max_pages=16, num_pages=40, kv_lens=[128, 70, 9, 33, 0])
     want = index_logits_reference(q, w, k8, **kw)
     got, gmax = index_logits_pallas(q, w, k8, block_kv=16, tiles_per_program=tiles_per_program, block_q=block_q,
                                     group_max=4, interpret=True, **kw)
@@ -177,11 +182,7 @@ def test_logits_with_several_key_tiles_per_program(tiles_per_program, block_q):
 def test_fp8_keys_as_byte_pairs_score_as_the_reference(tiles_per_program):
     """FP8 keys taken as uint16 channel pairs (what a pool past 2^31 elements needs, forced here on a small one): the
     even and the odd channels' dots sum to the reference's logits; the selection follows."""
-    q, w, k_cache, page_table = _paged_problem(jax.random.key(16), T=5, Hi=16, D=32, page_size=8, max_pages=8,
-                                               num_pages=20, dtype=jnp.bfloat16)
-    k8, k_scale = quantize_index_k_fp8(k_cache)
-    kw = dict(kv_lens=jnp.array([64, 50, 9, 33, 0], jnp.int32), page_table=page_table,
-              seq_ids=jnp.array([0, 1, 1, 0, 1], jnp.int32), k_scale=k_scale)
+    q, w, k8, kw = _fp8_five_queries(jax.random.key(16), Hi=16, max_pages=8, num_pages=20, kv_lens=[64, 50, 9, 33, 0])
     want = index_logits_reference(q, w, k8, **kw)
     got = index_logits_pallas(q, w, k8, block_kv=16, tiles_per_program=tiles_per_program, byte_pairs=True,
                               interpret=True, **kw)
