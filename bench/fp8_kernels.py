@@ -111,8 +111,8 @@ try:
     MOSAIC = hasattr(_plgpu, "InterpretGPUParams")
 except ImportError:
     MOSAIC = False
-MOSAIC_TILES = [dict(tile_m=64, steps_in_flight=4), dict(tile_m=64, steps_in_flight=5),
-                dict(tile_m=64, steps_in_flight=3), dict(tile_m=64, steps_in_flight=4, group_items=8)]
+MOSAIC_TILES = [dict(tile_m=64, steps_in_flight=4), dict(tile_m=64, steps_in_flight=4, release_early=True),
+                dict(tile_m=64, steps_in_flight=5, release_early=True), dict(tile_m=64, steps_in_flight=3)]
 
 # The e4m3 dot's algorithm: XLA's default, float32 accumulation (what fp8_matmul_xla_fp8 asks for on the GPU), and
 # cuBLASLt's fast (unpromoted) accumulation.

@@ -51,11 +51,12 @@ def _num_sms() -> int:
 
 
 def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16, tile_m: int = 64,
-                            steps_in_flight: int = 4, group_items: int = 16, num_programs: int | None = None,
-                            interpret: bool = False):
+                            steps_in_flight: int = 4, group_items: int = 16, release_early: bool = False,
+                            num_programs: int | None = None, interpret: bool = False):
     """See the module docstring. Output tiles are [2 * tile_m, 128], each consumer warpgroup computing
     [tile_m, 128] of it; `steps_in_flight` K steps are loaded ahead; `group_items` row tiles are swept together
-    (each column tile of w is read once per group; see `_work_tile`)."""
+    (each column tile of w is read once per group; see `_work_tile`). `release_early` hands each K step's shared
+    memory back to the producer once its wgmma is done rather than after the promotion (a candidate, unmeasured)."""
     M, N = x8.shape[0], w8.shape[0]
     cta_m = 2 * tile_m
     if M % cta_m:
@@ -64,13 +65,14 @@ def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16,
     tiles = jnp.arange(M // cta_m, dtype=jnp.int32)
     out = _scaled_gemm(x8, x_scale, w8[None], w_scale[None], jnp.zeros_like(tiles), tiles, out_dtype=out_dtype,
                        tile_m=tile_m, steps_in_flight=steps_in_flight, group_items=group_items,
-                       num_programs=num_programs, interpret=interpret)
+                       release_early=release_early, num_programs=num_programs, interpret=interpret)
     return out.reshape(M, N)  # item i is row tile i
 
 
 def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, out_dtype=jnp.bfloat16,
                                     tile_m: int = 64, steps_in_flight: int = 4, group_items: int = 16,
-                                    num_programs: int | None = None, interpret: bool = False):
+                                    release_early: bool = False, num_programs: int | None = None,
+                                    interpret: bool = False):
     """Rows x8[M, K] sorted by expert (`grouped_matmul`'s layout), row r times w8[g(r)]ᵀ (w8[E, N, K]) with block
     scales -> [M, N]; rows past sum(group_sizes) are zeros.
 
@@ -87,7 +89,8 @@ def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, ou
     pad = -M % cta_m
     blocks = _scaled_gemm(jnp.pad(x8, ((0, pad), (0, 0))), jnp.pad(x_scale, ((0, pad), (0, 0))), w8, w_scale,
                           expert, tile, out_dtype=out_dtype, tile_m=tile_m, steps_in_flight=steps_in_flight,
-                          group_items=group_items, num_programs=num_programs, interpret=interpret)
+                          group_items=group_items, release_early=release_early, num_programs=num_programs,
+                          interpret=interpret)
     # The item of each row: items cover the rows in order, so it is the count of used items ending at or before it.
     used = expert >= 0
     ends = jnp.where(used, end, M + 1)
@@ -119,7 +122,7 @@ def _work_tile(work, items: int, n_iters: int, group_items: int):
 
 
 def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype, tile_m, steps_in_flight,
-                 group_items, num_programs, interpret):
+                 group_items, release_early, num_programs, interpret):
     """blocks[i] = x8[row tile item_tile[i]] @ w8[item_expert[i]]ᵀ with the block scales, float32 promotion per K
     step -> [items, 2 * tile_m, N]; items whose expert is not in [0, E) are skipped (their block is left as is)."""
     plgpu = _mosaic()
@@ -140,7 +143,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
     def pipeline(step, context):
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(k_iters,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=steps_in_flight, compute_context=context,
+            max_concurrent_steps=steps_in_flight, compute_context=context, manual_consumed_barriers=release_early,
             in_specs=[
                 plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
@@ -169,17 +172,28 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                 rows = pl.ds(wg * tile_m, tile_m)
                 columns = pl.ds(n_idx * BLOCK, BLOCK)
 
-                def step(indices, x_smem, w_smem, xs_smem, ws_smem, total):
+                def step(indices, x_smem, w_smem, xs_smem, ws_smem, *rest):
+                    *consumed, total = rest  # the slot's barriers, with release_early
+
                     def product(acc):
                         plgpu.wgmma(acc, x_smem.at[rows], w_smem.transpose((1, 0)))
                         return acc[...]
 
-                    part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
-                    # The column tile is one scale block of w: its scale is a scalar, folded into the row scales,
-                    # so the promotion is one multiply-add per element.
-                    row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    scale = row_scale * ws_smem[0, 0]
-                    return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
+                    def scale():
+                        # The column tile is one scale block of w: its scale is a scalar, folded into the row
+                        # scales, so the promotion is one multiply-add per element.
+                        row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                        return row_scale * ws_smem[0, 0]
+
+                    if release_early:  # the scales read, the slot goes back as soon as the product is done
+                        scales = scale()
+                        part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
+                        for barrier in consumed:
+                            plgpu.barrier_arrive(barrier)
+                    else:
+                        part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
+                        scales = scale()
+                    return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
 
                 def context(run):
                     total = run(plgpu.layout_cast(jnp.zeros((tile_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA))

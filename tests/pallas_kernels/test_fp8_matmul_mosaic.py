@@ -31,11 +31,12 @@ def operands(M, K, N, seed):
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("M, K, N, tiles, programs", [(128, 384, 384, dict(tile_m=64), 2),
                                                       (256, 256, 128, dict(tile_m=64), 3),
-                                                      (512, 256, 384, dict(tile_m=64, group_items=3), 2)])
+                                                      (512, 256, 384, dict(tile_m=64, group_items=3), 2),
+                                                      (256, 512, 256, dict(tile_m=64, release_early=True), 2)])
 def test_interpreted_kernel_equals_the_reference(M, K, N, tiles, programs):
     """Several output tiles per program (a persistent loop over fewer programs than tiles) or an idle program, row
-    tiles swept in groups (the last one short), several K steps with scales 1/8..8 per block and activations
-    spanning 1e-2..30 per 128 channels."""
+    tiles swept in groups (the last one short), shared memory handed back before the promotion, several K steps
+    with scales 1/8..8 per block and activations spanning 1e-2..30 per 128 channels."""
     x, w8, w_scale = operands(M, K, N, M + N)
     x8, x_scale = quantize_activations(x, 128)
     got = fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, out_dtype=jnp.float32, num_programs=programs,
@@ -87,7 +88,7 @@ def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
     """Mosaic GPU's lowering (layouts, swizzles, shared memory) of the dense up projection's shape, without a GPU."""
     S = jax.ShapeDtypeStruct
     M, K, N = 4096, 7168, 18432
-    for tiles in [dict(tile_m=64), dict(tile_m=128, steps_in_flight=3)]:
+    for tiles in [dict(tile_m=64), dict(tile_m=128, steps_in_flight=3), dict(tile_m=64, release_early=True)]:
         f = jax.jit(lambda a, s, b, t: fp8_block_matmul_mosaic(a, s, b, t, num_programs=132, **tiles))
         jax.export.export(f, platforms=["cuda"])(S((M, K), jnp.float8_e4m3fn), S((M, K // 128), jnp.float32),
                                                  S((N, K), jnp.float8_e4m3fn), S((N // 128, K // 128), jnp.float32))
