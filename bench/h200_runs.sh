@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -61,6 +61,9 @@ for what in "$@"; do
           JAXMODELS_FP8_GPU_PATHS=1 JAXMODELS_FP8_BLOCK_KERNEL=$1 bench --config bench/configs/deepseek_v32_4layer.json \
             --phases prefill,decode --batches 1,32 --decode-steps 24 --prefill-chunk 4096 ${2:-} 2>&1 | tail -14
         done ;;
+    fp8_b1_profile) for fp8 in --fp8-block ""; do  # why FP8 decode at one sequence is slower than bf16 (per-op tables)
+          JAXMODELS_FP8_GPU_PATHS=1 bench --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 1 \
+            --decode-steps 24 $fp8 --profile "/tmp/prof_b1$fp8" 2>&1 | grep -A30 "^| category\|^| op" | head -40; done ;;
     mla_b128) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     mla_small) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --only mla_decode --mla-batches 16,32 \
