@@ -109,8 +109,9 @@ def _check_scales(x8, x_scale, w8, w_scale):
         raise ValueError(f"scales {x_scale.shape}, {w_scale.shape} do not fit x {x8.shape}, w {w8.shape}")
 
 
-def _work_tile(work, items: int, n_iters: int, group_items: int):
-    """(item, column tile) of a persistent loop's work index. Items are swept in groups of `group_items`, and within
+def _work_tile(work, items, n_iters: int, group_items: int):
+    """(item, column tile) of a persistent loop's work index over `items` items (a traced count: the routed ones).
+    Items are swept in groups of `group_items`, and within
     a group the column tile is the slow index: the SMs at work together read a few column tiles of w (streamed
     from HBM once per group) against the group's rows (which stay in L2). Row-major order instead would read all of
     w (132 MB at DeepSeek's 18432 x 7168) from HBM once per row tile."""
@@ -124,7 +125,11 @@ def _work_tile(work, items: int, n_iters: int, group_items: int):
 def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype, tile_m, steps_in_flight,
                  group_items, release_early, num_programs, interpret):
     """blocks[i] = x8[row tile item_tile[i]] @ w8[item_expert[i]]ᵀ with the block scales, float32 promotion per K
-    step -> [items, 2 * tile_m, N]; items whose expert is not in [0, E) are skipped (their block is left as is)."""
+    step -> [items, 2 * tile_m, N]; items whose expert is not in [0, E) are skipped (their block is left as is).
+    Those come last in `grouped_matmul.make_schedule` (its padding and the tail past the routed rows), so the
+    persistent loop runs over the routed items only, a count read in the kernel: a decode step routes a few rows to
+    a few experts of a schedule sized for E + M/128 items, and visiting every item cost each SM dozens of idle
+    iterations per call."""
     plgpu = _mosaic()
     (M, K), (E, N, _) = x8.shape, w8.shape
     cta_m = 2 * tile_m  # one [tile_m, 128] half per consumer warpgroup
@@ -151,7 +156,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                 plgpu.BlockSpec((1, SCALE_LANES), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ])
 
-    def kernel(expert_gmem, tile_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem):
+    def kernel(routed_gmem, expert_gmem, tile_gmem, x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem):
         def no_op(*args, **kwargs):
             return None
 
@@ -164,10 +169,12 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
         def _scope(allocations, out_smem):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((items * n_iters,), collective_axes="sm")
+            routed = routed_gmem[0]
+
+            @plgpu.nd_loop((routed * n_iters,), collective_axes="sm")
             def _work(loop):
                 (work,) = loop.index
-                item, n_idx = _work_tile(work, items, n_iters, group_items)
+                item, n_idx = _work_tile(work, routed, n_iters, group_items)
                 expert, m_idx = expert_gmem[item], tile_gmem[item]
                 rows = pl.ds(wg * tile_m, tile_m)
                 columns = pl.ds(n_idx * BLOCK, BLOCK)
@@ -216,4 +223,5 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
         grid=(num_programs or _num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}))
-    return call(item_expert.astype(jnp.int32), item_tile.astype(jnp.int32), x8, xs_t, w8, ws_t)
+    routed_items = jnp.sum((item_expert >= 0) & (item_expert < E), dtype=jnp.int32)[None]
+    return call(routed_items, item_expert.astype(jnp.int32), item_tile.astype(jnp.int32), x8, xs_t, w8, ws_t)
