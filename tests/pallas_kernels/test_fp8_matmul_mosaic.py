@@ -1,24 +1,33 @@
 """The Mosaic GPU FP8 block GEMM (`pallas_kernels.fp8_matmul_mosaic`, jax >= 0.11) against the XLA reference: in
 Mosaic GPU's interpreter (any machine) held to the float32 summation bound of test_fp8_matmul, compiled on the GPU to
-the FP8 tensor cores' bound; and its lowering for an H200 at DeepSeek's shapes."""
+the FP8 tensor cores' bound; its lowering for an H200 at DeepSeek's shapes; and its order of work (any jax)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.fp8_matmul import _mosaic_kernels_available, fp8_grouped_matmul, fp8_matmul, quantize_activations
+from pallas_kernels.fp8_matmul_mosaic import _work_tile, fp8_block_grouped_matmul_mosaic, fp8_block_matmul_mosaic
 from tests.fp8_bounds import assert_within_summation_bound
-from tests.pallas_kernels.test_fp8_matmul import BLOCK, random_weight, summation_bound
+from tests.pallas_kernels.test_fp8_matmul import BLOCK, grouped_summation_bound, random_weight, summation_bound
 
-plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-if not hasattr(plgpu, "InterpretGPUParams"):  # jax 0.10: no warpgroup pipelines to interpret
-    pytest.skip("the Mosaic GPU FP8 kernel needs jax >= 0.11", allow_module_level=True)
+# jax 0.10 has no warpgroup pipelines to interpret or lower: only the work order is tested there.
+needs_mosaic = pytest.mark.skipif(not _mosaic_kernels_available(), reason="the Mosaic GPU FP8 kernel needs jax >= 0.11")
 
-from pallas_kernels.fp8_matmul import fp8_grouped_matmul, quantize_activations  # noqa: E402
-from pallas_kernels.fp8_matmul_mosaic import (fp8_block_grouped_matmul_mosaic,  # noqa: E402
-                                              fp8_block_matmul_mosaic)
-from tests.pallas_kernels.test_fp8_matmul import grouped_summation_bound  # noqa: E402
+
+@pytest.mark.parametrize("items, routed, group", [(32, 32, 16), (5, 5, 2), (257, 8, 16), (10, 0, 4), (7, 7, 16)])
+def test_work_order_visits_each_routed_tile_once_in_groups(items, routed, group):
+    """The persistent loop's work indices 0 .. routed x columns map onto every (routed item, column tile) once, the
+    column the slow index within each group of items (the last group short); items past `routed` never come up."""
+    columns, group = 3, max(1, min(group, items))
+    item, column = (np.asarray(a) for a in jax.vmap(
+        lambda w: _work_tile(w, jnp.int32(routed), columns, group))(jnp.arange(routed * columns)))
+    assert sorted(zip(item.tolist(), column.tolist())) == [(i, c) for i in range(routed) for c in range(columns)]
+    for first in range(0, routed, group):
+        last = min(first + group, routed)
+        span = slice(first * columns, last * columns)
+        assert (np.diff(column[span]) >= 0).all() and set(item[span].tolist()) == set(range(first, last))
 
 
 def operands(M, K, N, seed):
@@ -28,6 +37,7 @@ def operands(M, K, N, seed):
     return x, w8, w_scale
 
 
+@needs_mosaic
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("M, K, N, tiles, programs", [(128, 384, 384, dict(tile_m=64), 2),
                                                       (256, 256, 128, dict(tile_m=64), 3),
@@ -45,6 +55,7 @@ def test_interpreted_kernel_equals_the_reference(M, K, N, tiles, programs):
     assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, BLOCK))
 
 
+@needs_mosaic
 @pytest.mark.cpu_only
 def test_fp8_matmul_takes_the_mosaic_kernel_on_any_rows():
     """impl="mosaic" through fp8_matmul: 100 rows, padded to the kernel's 128-row tile and cut back, bf16 in and out
@@ -61,6 +72,7 @@ def test_fp8_matmul_takes_the_mosaic_kernel_on_any_rows():
         fp8_matmul(x, w8, w_scale[0, 0], block=None, input_scale=jnp.float32(1), impl="mosaic")
 
 
+@needs_mosaic
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("sizes", [[100, 0, 150, 30], [0, 0, 0, 0], [300, 0, 0, 0]])
 def test_interpreted_grouped_kernel_equals_the_reference(sizes):
@@ -84,6 +96,7 @@ def test_interpreted_grouped_kernel_equals_the_reference(sizes):
     np.testing.assert_array_equal(np.asarray(through_fp8), np.asarray(got))
 
 
+@needs_mosaic
 def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
     """Mosaic GPU's lowering (layouts, swizzles, shared memory) of the dense up projection's shape, without a GPU."""
     S = jax.ShapeDtypeStruct
@@ -100,6 +113,7 @@ def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
                                              S((E,), jnp.int32))
 
 
+@needs_mosaic
 @pytest.mark.gpu
 def test_compiled_kernel_on_gpu():
     x, w8, w_scale = operands(512, 1024, 768, 5)
@@ -109,6 +123,7 @@ def test_compiled_kernel_on_gpu():
     assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, BLOCK, tensor_cores=True))
 
 
+@needs_mosaic
 @pytest.mark.gpu
 def test_compiled_grouped_kernel_on_gpu():
     E, M, K, N = 4, 300, 1024, 512
