@@ -96,9 +96,8 @@ def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, ou
     ends = jnp.where(used, end, M + 1)
     rows = jnp.arange(M, dtype=jnp.int32)
     item = jnp.minimum(count_at_or_below(ends, rows), expert.shape[0] - 1)
-    routed = (expert[item] >= 0) & (expert[item] < E)
     out = blocks[item, rows - tile[item] * cta_m]
-    return jnp.where(routed[:, None], out, jnp.zeros((), out_dtype))
+    return jnp.where(_is_routed(expert[item], E)[:, None], out, jnp.zeros((), out_dtype))
 
 
 def _check_scales(x8, x_scale, w8, w_scale):
@@ -109,12 +108,17 @@ def _check_scales(x8, x_scale, w8, w_scale):
         raise ValueError(f"scales {x_scale.shape}, {w_scale.shape} do not fit x {x8.shape}, w {w8.shape}")
 
 
+def _is_routed(expert, E: int):
+    """Schedule items that compute: an expert's, not the tail past the routed rows (E) nor padding (-1)."""
+    return (expert >= 0) & (expert < E)
+
+
 def _work_tile(work, items, n_iters: int, group_items: int):
     """(item, column tile) of a persistent loop's work index over `items` items (a traced count: the routed ones).
-    Items are swept in groups of `group_items`, and within
-    a group the column tile is the slow index: the SMs at work together read a few column tiles of w (streamed
-    from HBM once per group) against the group's rows (which stay in L2). Row-major order instead would read all of
-    w (132 MB at DeepSeek's 18432 x 7168) from HBM once per row tile."""
+    Items are swept in groups of `group_items`, and within a group the column tile is the slow index: the SMs at
+    work together read a few column tiles of w (streamed from HBM once per group) against the group's rows (which
+    stay in L2). Row-major order instead would read all of w (132 MB at DeepSeek's 18432 x 7168) from HBM once per
+    row tile."""
     group = work // (group_items * n_iters)
     first = group * group_items
     size = jnp.minimum(group_items, items - first)  # the last group may be short
@@ -125,10 +129,10 @@ def _work_tile(work, items, n_iters: int, group_items: int):
 def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype, tile_m, steps_in_flight,
                  group_items, release_early, num_programs, interpret):
     """blocks[i] = x8[row tile item_tile[i]] @ w8[item_expert[i]]ᵀ with the block scales, float32 promotion per K
-    step -> [items, 2 * tile_m, N]; items whose expert is not in [0, E) are skipped (their block is left as is).
-    Those come last in `grouped_matmul.make_schedule` (its padding and the tail past the routed rows), so the
-    persistent loop runs over the routed items only, a count read in the kernel: a decode step routes a few rows to
-    a few experts of a schedule sized for E + M/128 items, and visiting every item cost each SM dozens of idle
+    step -> [items, 2 * tile_m, N]; items that are not routed (`_is_routed`) are skipped (their block is left as
+    is). Those come last in `grouped_matmul.make_schedule` (the tail past the routed rows, then padding), so the
+    persistent loop runs over the routed prefix only, its length read in the kernel: a decode step routes a few rows
+    to a few experts of a schedule sized for E + M/128 items, and visiting every item cost each SM dozens of idle
     iterations per call."""
     plgpu = _mosaic()
     (M, K), (E, N, _) = x8.shape, w8.shape
@@ -168,7 +172,6 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                            collective_axes="wg")
         def _scope(allocations, out_smem):
             wg = lax.axis_index("wg")
-
             routed = routed_gmem[0]
 
             @plgpu.nd_loop((routed * n_iters,), collective_axes="sm")
@@ -209,12 +212,10 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[item, rows, columns])
 
-                @pl.when((expert >= 0) & (expert < E))
-                def _routed():
-                    pipeline(step, context)(
-                        x_gmem.at[pl.ds(m_idx * cta_m, cta_m), :], w_gmem.at[expert, columns, :],
-                        xs_gmem.at[:, pl.ds(m_idx * cta_m, cta_m)],
-                        ws_gmem.at[expert, :, pl.ds(n_idx * SCALE_LANES, SCALE_LANES)], allocations=allocations)
+                pipeline(step, context)(
+                    x_gmem.at[pl.ds(m_idx * cta_m, cta_m), :], w_gmem.at[expert, columns, :],
+                    xs_gmem.at[:, pl.ds(m_idx * cta_m, cta_m)],
+                    ws_gmem.at[expert, :, pl.ds(n_idx * SCALE_LANES, SCALE_LANES)], allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -223,5 +224,5 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
         grid=(num_programs or _num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}))
-    routed_items = jnp.sum((item_expert >= 0) & (item_expert < E), dtype=jnp.int32)[None]
+    routed_items = jnp.sum(_is_routed(item_expert, E), dtype=jnp.int32)[None]
     return call(routed_items, item_expert.astype(jnp.int32), item_tile.astype(jnp.int32), x8, xs_t, w8, ws_t)

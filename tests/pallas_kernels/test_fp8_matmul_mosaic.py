@@ -8,12 +8,23 @@ import numpy as np
 import pytest
 
 from pallas_kernels.fp8_matmul import _mosaic_kernels_available, fp8_grouped_matmul, fp8_matmul, quantize_activations
-from pallas_kernels.fp8_matmul_mosaic import _work_tile, fp8_block_grouped_matmul_mosaic, fp8_block_matmul_mosaic
+from pallas_kernels.fp8_matmul_mosaic import (_is_routed, _work_tile, fp8_block_grouped_matmul_mosaic,
+                                              fp8_block_matmul_mosaic)
+from pallas_kernels.grouped_matmul import make_schedule
 from tests.fp8_bounds import assert_within_summation_bound
 from tests.pallas_kernels.test_fp8_matmul import BLOCK, grouped_summation_bound, random_weight, summation_bound
 
 # jax 0.10 has no warpgroup pipelines to interpret or lower: only the work order is tested there.
 needs_mosaic = pytest.mark.skipif(not _mosaic_kernels_available(), reason="the Mosaic GPU FP8 kernel needs jax >= 0.11")
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 300, 1], [0, 0, 0, 0], [128, 128, 0, 0], [0, 0, 0, 5]])
+def test_schedule_lists_routed_items_first(sizes):
+    """The kernel visits only the first `routed` items of `make_schedule` (no check per item): the routed ones must
+    come before the tail's and the padding, whatever the sizes."""
+    expert = np.asarray(make_schedule(jnp.asarray(sizes, jnp.int32), 512, 128)[0])
+    routed = np.asarray(_is_routed(expert, len(sizes)))
+    assert routed.tolist() == sorted(routed.tolist(), reverse=True)
 
 
 @pytest.mark.parametrize("items, routed, group", [(32, 32, 16), (5, 5, 2), (257, 8, 16), (10, 0, 4), (7, 7, 16)])
