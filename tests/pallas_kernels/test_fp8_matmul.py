@@ -388,7 +388,7 @@ def test_auto_hands_block_scaled_weights_to_the_mosaic_kernel_per_block_kernel(m
 
 def test_auto_keeps_few_dense_rows_on_the_triton_kernel(monkeypatch):
     """On a GPU with the Mosaic kernels chosen, a dense product of fewer than MOSAIC_MIN_ROWS rows (decode) runs the
-    Triton kernel, more rows and every grouped product the Mosaic one (kernels replaced by recorders: no GPU here)."""
+    Triton kernel, from MOSAIC_MIN_ROWS rows on the Mosaic one (kernels replaced by recorders: no GPU here)."""
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
     monkeypatch.setattr(fp8_matmul_module, "GPU_PATHS_VERIFIED", True)
     monkeypatch.setattr(fp8_matmul_module, "BLOCK_KERNEL", "mosaic")
