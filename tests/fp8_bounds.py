@@ -40,9 +40,13 @@ def is_tie(reference_logits, model) -> bool:
 def fp8_gemms_run_on_tensor_cores() -> bool:
     """Whether `auto` FP8 GEMMs run on a GPU's FP8 tensor cores here (a GPU, with the GPU paths taken): then results
     are held to TENSOR_CORE_BOUND, not to the float32 reference's summation error."""
-    from pallas_kernels import _dispatch
-    from pallas_kernels import fp8_matmul as fp8_matmul_module
+    import importlib
 
+    from pallas_kernels import _dispatch
+
+    # The package exports the function `fp8_matmul` under the module's name, so `from pallas_kernels import
+    # fp8_matmul` is the function; the flag lives in the module.
+    fp8_matmul_module = importlib.import_module("pallas_kernels.fp8_matmul")
     return _dispatch.on_gpu() and fp8_matmul_module.GPU_PATHS_VERIFIED
 
 
