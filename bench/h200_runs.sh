@@ -72,7 +72,7 @@ for what in "$@"; do
         -p no:cacheprovider tests/jaxmodels/test_fp8_checkpoints.py tests/bridge/test_fp8_loading.py \
         tests/pallas_kernels/test_fp8_matmul.py tests/sharding/test_sharded.py::test_sharded_fp8_serving_follows_one_device \
         > "$OUT/fp8_models.log" 2>&1; grep -E "^(E  |FAILED)|passed|failed" "$OUT/fp8_models.log" | cut -c1-300 | tail -40 ;;
-        # the FP8 models on the GPU paths (what flipping GPU_PATHS_VERIFIED would run), failures' reasons kept
+        # the FP8 models on the GPU paths (the default since 2026-12-01), failures' reasons kept
     idx_decode) timeout "${IDX_TIMEOUT:-300}" python3 bench/dsa_kernels.py --only indexer --indexer-kinds decode \
         --ctx 131072 --log "$OUT/idx_decode.log" 2>&1 | grep -v Warning | grep "indexer" | tail -40 ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;

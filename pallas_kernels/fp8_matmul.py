@@ -24,7 +24,7 @@ The XLA reference (`impl="xla"`) quantizes the activations as above, dequantizes
 one float32 dot at HIGHEST precision: the products and scales an FP8 tensor-core GEMM with float32 accumulation
 applies, summed in another order. It is the oracle the GPU paths are tested against.
 
-GPU paths (what `impl="auto"` will take there once they pass on the H200, see GPU_PATHS_VERIFIED):
+GPU paths (what `impl="auto"` takes there, see GPU_PATHS_VERIFIED):
   * block-scaled: activations quantized in XLA (memory-bound, fused), then the Pallas kernels of
     `fp8_matmul_pallas` (`impl="pallas"`), which scale each 128-wide K block's e4m3 product as it accumulates.
     A scale block whose width is no power of two >= 16 (no published checkpoint has one) falls back to the reference.
@@ -53,12 +53,13 @@ FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 AMAX_FLOOR = 1e-4  # DeepSeek's act_quant clamps a group's amax here
 IMPLS = ("auto", "pallas", "xla", "xla_fp8", "mosaic")  # xla_fp8: per-tensor only; mosaic: block (128, 128) only
-# Whether `auto` takes the GPU paths on a GPU. Not yet. On the H200 (2026-12-01 03:58 UTC) they passed
-# `bench/fp8_kernels.py --check` (block kernels 1e-6..4e-6 of the largest output, the per-tensor cuBLASLt dot with
-# float32 accumulation 0..1.3e-4) and the compiled-kernel tests, but the engine has not run on them: until
-# `bash bench/h200_runs.sh fp8_engine` and the GPU suite with this set have, `auto` runs the reference there too.
-# impl="pallas" / "xla_fp8" ask for the GPU paths explicitly, and JAXMODELS_FP8_GPU_PATHS=1 makes `auto` take them.
-GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS") == "1"
+# Whether `auto` takes the GPU paths on a GPU: yes. On the H200 they passed `bench/fp8_kernels.py --check` (block
+# kernels 1e-6..4e-6 of the largest output, the Mosaic ones 1.4e-4..2.6e-4 and the per-tensor cuBLASLt dot 0..1.3e-4,
+# within the FP8 tensor cores' accumulation), the compiled-kernel tests, the engine (`bash bench/h200_runs.sh
+# fp8_engine`) and, on 2026-12-01 09:02 UTC, every FP8 model test with them taken (`bash bench/h200_runs.sh
+# fp8_models`: 64 passed). JAXMODELS_FP8_GPU_PATHS=0 makes `auto` run the reference (dequantize, then a float32 dot)
+# on the GPU instead, for comparison.
+GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS", "1") != "0"
 
 
 def _mosaic_kernels_available() -> bool:
@@ -239,7 +240,7 @@ def fp8_matmul_xla_fp8(x, w, w_scale, *, input_scale):
 
 
 def _unverified_auto(impl: str, interpret: bool) -> str:
-    """`auto` -> "xla" while the GPU paths are unverified (GPU_PATHS_VERIFIED), except in interpret mode."""
+    """`auto` -> "xla" when the GPU paths are switched off (GPU_PATHS_VERIFIED), except in interpret mode."""
     return "xla" if impl == "auto" and not interpret and not GPU_PATHS_VERIFIED else impl
 
 

@@ -12,8 +12,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._dispatch import MAX_BYTE_ELEMENTS
-
 log = logging.getLogger("jaxmodels.engine")
 
 
@@ -83,21 +81,6 @@ def reports_memory(devices=None) -> bool:
     return all("bytes_limit" in (device.memory_stats() or {}) for device in _addressable(devices))
 
 
-# The Triton kernels address 1-byte arrays past 2^31 elements with overflowing offsets (`pallas_kernels._dispatch.
-# MAX_BYTE_ELEMENTS`): 1-byte pools (the DSA indexer's FP8 keys) stay below. The indexer's logits kernel now reads a
-# larger pool as byte pairs, but that has not run on a GPU yet (tests/pallas_kernels/test_large_pools.py); until it
-# has, the cap stays.
-MAX_BYTE_POOL_ELEMENTS = MAX_BYTE_ELEMENTS
-
-
-def addressable_pages(cache_shapes, sizes: PoolSizes) -> int | None:
-    """The most pages (null page included) every paged pool of 1-byte elements can have with at most
-    MAX_BYTE_POOL_ELEMENTS elements; None when there is no such pool."""
-    one = jax.tree.leaves(cache_shapes(dataclasses.replace(sizes, num_pages=1)))
-    two = jax.tree.leaves(cache_shapes(dataclasses.replace(sizes, num_pages=2)))
-    per_page = [math.prod(b.shape) - math.prod(a.shape) for a, b in zip(one, two)
-                if jnp.dtype(b.dtype).itemsize == 1]
-    return MAX_BYTE_POOL_ELEMENTS // max(per_page) if any(per_page) else None
 
 
 def free_device_memory(devices=None) -> int:

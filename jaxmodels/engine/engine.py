@@ -20,8 +20,7 @@ import time
 import jax
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
-from jaxmodels.engine.cache import (MAX_BYTE_POOL_ELEMENTS, PoolSizes, addressable_pages, free_device_memory,
-                                    pages_within, reports_memory)
+from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, reports_memory
 from jaxmodels.engine.request import Request, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import GroupedScheduler
@@ -130,14 +129,6 @@ class Engine:
         pages = self.sizes.num_pages
         if num_pages is None and (memory_fraction is not None or capped):
             pages = self._pages_for_memory(step, memory_fraction, devices)
-        addressable = addressable_pages(step.cache_shapes, self.sizes)
-        if addressable is not None and pages > addressable:
-            if num_pages is not None:
-                raise ValueError(f"num_pages={num_pages} makes a pool of 1-byte elements larger than the kernels "
-                                 f"address ({MAX_BYTE_POOL_ELEMENTS} elements): at most {addressable}")
-            log.warning("%d KV pages would make a pool of 1-byte elements larger than the kernels address (%d "
-                        "elements): %d pages", pages, MAX_BYTE_POOL_ELEMENTS, addressable)
-            pages = addressable
         if pages != self.sizes.num_pages:
             self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len, page_size=page_size,
                                                num_pages=pages)

@@ -4,9 +4,9 @@ import pytest
 
 import jaxmodels
 from jaxmodels.engine import cache
-from jaxmodels.engine.cache import MAX_BYTE_POOL_ELEMENTS, PoolSizes, addressable_pages, pages_within, total_bytes
+from jaxmodels.engine.cache import PoolSizes, pages_within, total_bytes
 from jaxmodels.engine.step import ModelStep
-from tests.hf_models import TINY_CONFIGS, build_from_config, make_nemotron_h, save
+from tests.hf_models import make_nemotron_h, save
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +47,3 @@ def test_llm_sizes_pages_from_memory_fraction(checkpoint, monkeypatch):
     assert sizes.num_pages == expected > 1 + 4 * 4  # more than the limits alone would give
     out = llm.generate([[5, 6, 7]], jaxmodels.SamplingParams(max_new_tokens=3))
     assert len(out[0].token_ids) == 3
-
-
-def test_one_byte_pools_stay_below_2_31_elements(checkpoint):
-    """Only pools of 1-byte elements are capped (see cache.MAX_BYTE_POOL_ELEMENTS): a DSA model's FP8 index keys,
-    16 tokens x 16 dims a page; a Nemotron-H model has none."""
-    sizes = PoolSizes.from_limits(max_batch_size=4, max_seq_len=64)
-    assert addressable_pages(ModelStep(jaxmodels.load_model(checkpoint, progress=False)).cache_shapes, sizes) is None
-    model = build_from_config({**TINY_CONFIGS["deepseek_v32"], "indexer_numerics": "reference"})
-    assert addressable_pages(ModelStep(model).cache_shapes, sizes) == MAX_BYTE_POOL_ELEMENTS // 256
-    with pytest.raises(ValueError, match="larger than the kernels address"):
-        jaxmodels.LLM(None, model=model, dtype="float32", max_batch_size=4, max_seq_len=64,
-                      num_pages=MAX_BYTE_POOL_ELEMENTS // 256 + 1, warmup=False, progress=False)

@@ -353,7 +353,7 @@ def test_weight_quantization_round_trips_within_half_an_e4m3_step():
     assert np.abs(np.asarray(quantize_weight(w, BLOCK)[0], np.float32)).max() == 448
 
 
-def test_auto_runs_the_reference_on_a_gpu_until_the_gpu_paths_are_verified(monkeypatch):
+def test_auto_runs_the_reference_on_a_gpu_with_the_gpu_paths_switched_off(monkeypatch):
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
     monkeypatch.setattr(fp8_matmul_module, "GPU_PATHS_VERIFIED", False)
     assert _matmul_impl("auto", BLOCK, interpret=False) == "xla"
