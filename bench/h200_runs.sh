@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -8,6 +8,14 @@ long() {  # bench/long_context.py on a config of bench/configs, log and json und
   local config=$1; shift; local log="$OUT/long_${config}$(echo "$*" | tr -d ' /-').log"
   timeout "${LONG_TIMEOUT:-280}" python3 bench/long_context.py --config "bench/configs/$config.json" "$@" \
     --json "${log%.log}.json" > "$log" 2>&1; echo "exit $?"; grep -A6 "^### " "$log"; grep "peak" "$log"; grep -A24 "^## profile" "$log"; }
+x2() {  # decode at B=256 on a config of bench/configs with the given layout flags, a log each under $OUT
+  for args in "$@"; do
+    set -- $args; local config=$1; shift; local log="$OUT/x2_${config}$(echo "$*" | tr -d ' /-').log"
+    echo "--- $config $* ${XLA_FLAGS:-}"
+    timeout 170 python3 -m jaxmodels bench --no-progress --config "bench/configs/$config.json" --phases decode \
+      --batches 256 --decode-steps 24 "$@" > "$log" 2>&1; echo "exit $?"
+    grep -A3 "| B |" "$log"; grep -A12 "^| category" "$log" | head -13
+  done; }
 for what in "$@"; do
   echo "=== $what $(date -u +%T)"
   case $what in
@@ -35,12 +43,17 @@ for what in "$@"; do
         --serve-out 1024 --arrival-rate 0 --mamba-ssm-cache-dtype bfloat16 --json "$OUT/nano30b_bf16.json" 2>&1 | tail -12 ;;
     dispatch) for b in 1 256; do python3 bench/dispatch_probe.py --config bench/configs/nemotron_h_nano9b.json \
         --batch $b 2>&1 | tail -3; done ;;
-    x2) run=0; for args in "nemotron_h_nano30b_a3b --dp 2 --profile /tmp/prof_dp2" "nemotron_h_nano30b_a3b" \
-          "nemotron_h_nano30b_a3b --tp 2" "deepseek_v32_4layer --dp 2" "deepseek_v32_4layer"; do
-          set -- $args; config=$1; shift; run=$((run + 1)); log="$OUT/x2_$run.log"; echo "--- $config $*"
-          timeout 240 python3 -m jaxmodels bench --no-progress --config "bench/configs/$config.json" --phases decode \
-            --batches 256 --decode-steps 24 "$@" > "$log" 2>&1; echo "exit $?"
-          grep -A3 "| B |" "$log"; grep -A12 "^| category" "$log" | head -13; done ;;
+    # Two H200s (kind nvidia-h200-x2), issue 11, in calls of under 10 minutes: decode at B=256 for each layout, with
+    # the first run's per-op profile; x2b also runs dp=2 with NCCL collectives recorded into the step's CUDA graphs
+    # (at dp=2 they cut each step's graph into ~90 pieces); x2_serve is the serving run, dp=2 against one GPU.
+    x2a) x2 "nemotron_h_nano30b_a3b --dp 2 --profile /tmp/prof_dp2" "nemotron_h_nano30b_a3b" \
+        "nemotron_h_nano30b_a3b --tp 2" ;;
+    x2b) x2 "deepseek_v32_4layer --dp 2" "deepseek_v32_4layer"
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=+COLLECTIVES ${XLA_FLAGS:-}" x2 "nemotron_h_nano30b_a3b --dp 2" ;;
+    x2_serve) for dp in "--dp 2" ""; do echo "--- serve $dp"
+          timeout 280 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
+            --phases serve --serve 256 --serve-in 1024 --serve-out 1024 --arrival-rate 0 $dp \
+            > "$OUT/x2_serve${dp// /}.log" 2>&1; echo "exit $?"; tail -12 "$OUT/x2_serve${dp// /}.log"; done ;;
     deepseek) bench --config bench/configs/deepseek_v32_4layer.json --phases prefill --prefill-chunk 4096 \
         --json "$OUT/deepseek.json" 2>&1 | tail -12 ;;
     long_tests) python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_large_pools.py \
@@ -61,9 +74,11 @@ for what in "$@"; do
           JAXMODELS_FP8_GPU_PATHS=1 JAXMODELS_FP8_BLOCK_KERNEL=$1 bench --config bench/configs/deepseek_v32_4layer.json \
             --phases prefill,decode --batches 1,32 --decode-steps 24 --prefill-chunk 4096 ${2:-} 2>&1 | tail -14
         done ;;
-    fp8_b1_profile) for fp8 in --fp8-block ""; do  # why FP8 decode at one sequence is slower than bf16 (per-op tables)
-          JAXMODELS_FP8_GPU_PATHS=1 bench --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 1 \
-            --decode-steps 24 $fp8 --profile "/tmp/prof_b1$fp8" 2>&1 | grep -A30 "^| category\|^| op" | head -40; done ;;
+    fp8_b1_profile) for fp8 in --fp8-block ""; do  # FP8 against bf16 decode at one sequence, per-op tables
+          log="$OUT/b1_profile${fp8:-_bf16}.log"
+          timeout 150 python3 -m jaxmodels bench --no-progress --config bench/configs/deepseek_v32_4layer.json \
+            --phases decode --batches 1 --decode-steps 24 $fp8 --profile "/tmp/prof_b1$fp8" > "$log" 2>&1
+          echo "--- ${fp8:-bf16}: exit $?"; grep -A40 "^| B\|^| category\|^| op" "$log" | head -45; done ;;
     mla_b128) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     mla_small) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --only mla_decode --mla-batches 16,32 \
