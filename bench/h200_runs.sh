@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,6 +29,8 @@ for what in "$@"; do
     spec_profile) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 32 --ks 1 \
         --tokens 16 --profile /tmp/prof_spec 2>&1 | grep -v Warning | tail -80 ;;
     scan_seg) python3 bench/mamba_kernels.py --check --kernels scan_seg --out "$OUT" 2>&1 | tail -30 ;;
+    scan_span) timeout 400 python3 bench/mamba_kernels.py --tune-span --kernels scan_seg --out "$OUT/scan_span" 2>&1 \
+        | grep "best\|^| scan" | tail -20 ;;  # Nano-9B's one-span scan tiles at 8k / 32k (issue 14's last scan gap)
     dsa_new) python3 bench/dsa_kernels.py --check --quick --only select,mla_decode --log "$OUT/dsa_new.log" 2>&1 | tail -40
         python3 bench/dsa_kernels.py --check --quick --only indexer --indexer-kinds decode --ctx 131072 \
           --log "$OUT/idx_new.log" 2>&1 | tail -12 ;;

@@ -1,12 +1,13 @@
 """Mamba2 kernels on the GPU: Pallas kernel vs XLA reference, side by side, with achieved bandwidth.
 
-    PYTHONPATH=. python bench/mamba_kernels.py [--check] [--tune] [--tune-seg] [--quick] [--kernels K,..] [--out DIR]
+    PYTHONPATH=. python bench/mamba_kernels.py [--check] [--tune] [--tune-seg] [--tune-span] [--quick] [--kernels K,..] [--out DIR]
 
 --check    runs the correctness checks on the GPU first (compiled kernels vs XLA references, fp32 and bf16, awkward
            shapes, idle/padding slots bit-identical; the segmented scan too).
 --tune     times a few tile configurations of the SSD scan at T = 8192 before the table.
 --tune-seg searches the segmented scan's options (segment length, head-dim tile, block lengths, load prefetch,
            stages, warps) one at a time for one sequence at T = 8k and 32k, keeping the best of each.
+--tune-span the same search over the one-span scan's options for Nano-9B (which takes that path) at 8k and 32k.
 --kernels  the table rows to time: scan, scan_seg (one sequence at T >= 8k: the one-span-per-sequence scan beside
            the segmented one), pooled, decode, conv, conv_update.
 Shapes: Nano-9B (H=128, P=80, N=128, G=8) and Nano-30B (H=64, P=64, N=128, G=8), chunk 128, conv K=4, bf16 inputs,
@@ -328,33 +329,44 @@ def tune(rows):
                     log(f"tune scan {name} S={S} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
+def coordinate_search(rows, kind, name, T, inp, best, search):
+    """Times the options of one scan problem one at a time from `best`: each option's values with the best of the
+    options before it, the best one kept. Returns (seconds, options) of the best."""
+    timed = {}
+
+    def measure(v):
+        k = tuple(sorted(v.items()))
+        if k not in timed:
+            try:
+                f = jax.jit(lambda i, v=v: run_scan(i, "pallas", **v))
+                timed[k] = time_fn(lambda i: (f(i), None), lambda: (inp,))
+                log(f"{kind} scan {name} T={T} S=1 {v}: {timed[k] * 1e6:.0f} us")
+                rows.append(dict(kind=kind, shape=name, T=T, variant=v, us=timed[k] * 1e6))
+            except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
+                log(f"{kind} scan {name} T={T} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                timed[k] = float("inf")
+        return timed[k]
+
+    for option, values in search:
+        best[option] = min(values, key=lambda v: measure(dict(best, **{option: v})))
+    t = measure(best)
+    ref = MAMBA_SSM_US.get(("scan", name, T, 1))
+    log(f"{kind} best {name} T={T} S=1: {t * 1e6:.0f} us (mamba_ssm {ref} us) with {best}")
+    rows.append(dict(kind=f"{kind}_best", shape=name, T=T, variant=best, us=t * 1e6, mamba_ssm_us=ref))
+    return t, best
+
+
 def tune_segmented(rows, Ts=(8192, 32768)):
-    """One sequence of T tokens: a coordinate search over the segmented scan's options, from its defaults; each
-    option's values are timed with the best of the options before it, and the best one is kept."""
+    """One sequence of T tokens: a coordinate search over the segmented scan's options, from its defaults."""
     from pallas_kernels.mamba_ssd_pallas import _segmented_block_p, segment_len_for
 
     key = jax.random.PRNGKey(5)
     for name, sh in SHAPES.items():
         H, P, N, G = sh["H"], sh["P"], sh["N"], sh["G"]
         for T in Ts:
-            inp = scan_inputs(key, T, H, P, N, G, 1)
             best = dict(segment_len=segment_len_for(T, H, P, 32), block_p=_segmented_block_p(P),
                         block_t=32, state_block_t=64, prefetch=False, num_stages=2, num_warps=4)
-            timed = {}
-
-            def measure(v):
-                k = tuple(sorted(v.items()))
-                if k not in timed:
-                    try:
-                        f = jax.jit(lambda i, v=v: run_scan(i, "pallas", **v))
-                        timed[k] = time_fn(lambda i: (f(i), None), lambda: (inp,))
-                        log(f"tune-seg scan {name} T={T} S=1 {v}: {timed[k] * 1e6:.0f} us")
-                        rows.append(dict(kind="tune_seg", shape=name, T=T, variant=v, us=timed[k] * 1e6))
-                    except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
-                        log(f"tune-seg scan {name} T={T} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                        timed[k] = float("inf")
-                return timed[k]
-
+            # block lengths are powers of two <= 128 and divide every segment length
             search = [("segment_len", [L for L in (256, 512, 1024, 2048, 4096) if 2 * L <= T]),
                       ("block_p", [bp for bp in (32, 64, 128) if bp <= max(next_pow2(P), 32)]),
                       ("block_t", [32, 64]),
@@ -362,12 +374,24 @@ def tune_segmented(rows, Ts=(8192, 32768)):
                       ("prefetch", [False, True]),
                       ("num_stages", [1, 2, 3]),
                       ("num_warps", [4, 8])]
-            for option, values in search:  # block lengths are powers of two <= 128 and divide every segment length
-                best[option] = min(values, key=lambda v: measure(dict(best, **{option: v})))
-            t = measure(best)
-            ref = MAMBA_SSM_US.get(("scan", name, T, 1))
-            log(f"tune-seg best {name} T={T} S=1: {t * 1e6:.0f} us (mamba_ssm {ref} us) with {best}")
-            rows.append(dict(kind="tune_seg_best", shape=name, T=T, variant=best, us=t * 1e6, mamba_ssm_us=ref))
+            coordinate_search(rows, "tune-seg", name, T, scan_inputs(key, T, H, P, N, G, 1), best, search)
+
+
+def tune_span(rows, Ts=(8192, 32768), shapes=("nano9b",)):
+    """One sequence of T tokens on one span (no segments, the path Nano-9B takes: its 128 heads give enough
+    programs): a coordinate search from the defaults. Nano-9B's head dim of 80 fills 64-wide tiles to 62%
+    (80 of 128 columns), so 16- and 32-wide tiles (100% and 83%, more programs, C Bᵀ computed more often) are in it."""
+    from pallas_kernels.mamba_ssd_pallas import _default_block_p
+
+    key = jax.random.PRNGKey(6)
+    for name in shapes:
+        H, P, N, G = (SHAPES[name][k] for k in "HPNG")
+        for T in Ts:
+            best = dict(segment_len=0, block_p=_default_block_p(H, P, 1), block_t=32, prefetch=False,
+                        num_stages=2, num_warps=4)
+            search = [("block_p", [16, 32, 64, 128]), ("block_t", [16, 32]), ("prefetch", [False, True]),
+                      ("num_stages", [1, 2, 3]), ("num_warps", [2, 4, 8])]
+            coordinate_search(rows, "tune-span", name, T, scan_inputs(key, T, H, P, N, G, 1), best, search)
 
 
 def tune_update(rows):
@@ -544,6 +568,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--tune-seg", action="store_true", help="the segmented scan's option search before the table")
+    ap.add_argument("--tune-span", action="store_true",
+                    help="the one-span scan's option search for Nano-9B at 8k and 32k before the table")
     ap.add_argument("--kernels", default="scan,pooled,decode,conv,conv_update",
                     help="table rows to time: scan, scan_seg, pooled, decode, conv, conv_update")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -565,6 +591,8 @@ def main():
         Ts = (2048, 8192) if a.quick else (2048, 8192, 32768)
         if a.tune_seg:
             tune_segmented(rows, tuple(t for t in Ts if t >= 8192))
+        if a.tune_span:
+            tune_span(rows, tuple(t for t in Ts if t >= 8192))
         kernels = a.kernels.split(",")
         log("| kernel | shape | size | pallas µs | XLA ref µs | speedup | pallas TB/s (% of 4.25) | mamba_ssm µs (issue) |")
         log("|---|---|---|---|---|---|---|---|")
