@@ -15,6 +15,8 @@ Sections:
     scales included), and the block-scaled Pallas kernel with the activation quantization and without (kernel only).
   * sweep (--sweep): tile options (block_m, block_n, num_warps, num_stages) of the block kernel at those shapes;
     grouped_sweep (--sweep too): the grouped kernel's, at 128 experts (the plain path) and 256 (byte pairs).
+  * decode (--only decode): DeepSeek-V3.2's dense linears at 1 and 32 rows, the block kernel with its K split over
+    1..16 programs (`split_k`) against bf16 `jnp.dot` and the FP8 weight-read floor.
   * grouped: DeepSeek's routed experts, E = 256, hidden 7168 <-> moe_intermediate 2048, top-8 of uniformly random
     routing, 4096 and 256 tokens (x8 rows): the FP8 grouped kernel (with and without quantization) against our bf16
     `grouped_matmul` on the same shapes.
@@ -63,6 +65,8 @@ class Shapes:
     checks: tuple  # dense (M, K, N, options) checked against the reference
     grouped_check: tuple  # (E, M, K, N)
     sweep: dict  # rows -> list of tile options
+    decode_linears: tuple  # (name, K, N) of the dense linears a decode step runs
+    decode_rows: tuple[int, ...]
 
 
 def tile_options(*rows):
@@ -82,13 +86,21 @@ SWEEP = {
 FULL = Shapes(dense_rows=(4096, 128, 16), K=7168, N=18432, experts=256, hidden=7168, intermediate=2048, topk=8,
               tokens=(4096, 256),
               checks=((4096, 7168, 18432, {}), (1000, 7168, 576, {}), (300, 1536, 2048, dict(block_n=256)),
-                      (16, 512, 32768, {}), (64, 200, 256, {})),  # the last: a partial K block (e4m3 zero fill)
-              grouped_check=(16, 2000, 7168, 2048), sweep=SWEEP)
+                      (16, 512, 32768, {}), (64, 200, 256, {}),  # a partial K block (e4m3 zero fill)
+                      (1, 7168, 576, dict(split_k=8)), (32, 16384, 7168, dict(split_k=5))),  # K split over programs
+              grouped_check=(16, 2000, 7168, 2048), sweep=SWEEP,
+              # DeepSeek-V3.2: q_a, kv_a (latent + rope key), q_b (128 heads x 192), o_proj, the indexer's wq_b
+              # (64 heads x 128) and the dense MLP's down projection.
+              decode_linears=(("q_a", 7168, 1536), ("kv_a", 7168, 576), ("q_b", 1536, 24576),
+                              ("o_proj", 16384, 7168), ("indexer wq_b", 1536, 8192), ("mlp down", 18432, 7168)),
+              decode_rows=(1, 32))
 # CPU smoke shapes (--interpret): every section runs, nothing it times means anything.
 TINY = Shapes(dense_rows=(40, 16), K=320, N=384, experts=4, hidden=256, intermediate=128, topk=2, tokens=(24, 4),
-              checks=((40, 320, 384, dict(block_m=16)), (20, 256, 576, dict(block_m=16, block_n=256))),
+              checks=((40, 320, 384, dict(block_m=16)), (20, 256, 576, dict(block_m=16, block_n=256)),
+                      (3, 640, 192, dict(split_k=3))),
               grouped_check=(4, 40, 256, 192),
-              sweep={40: tile_options((16, 64, 4, 2)), 16: tile_options((16, 128, 4, 2))})
+              sweep={40: tile_options((16, 64, 4, 2)), 16: tile_options((16, 128, 4, 2))},
+              decode_linears=(("tiny", 640, 192),), decode_rows=(1,))
 SHAPES = FULL
 INTERPRET = False
 FAILED_CHECKS: list[str] = []
@@ -297,6 +309,39 @@ def sweep():
             ROWS.append(f"sweep M={M}: best {best} {t * 1e3:.3f} ms = {flops / t / 1e12:.0f} TFLOP/s")
 
 
+# ------------------------------------------------------------------------------------------------- decode
+SPLITS = (1, 2, 4, 8, 16)  # split_k options of the block kernel at decode's few rows
+HBM_BYTES_PER_S = 4.25e12  # this H200's device-to-device copy rate
+
+
+@section
+def decode():
+    """The dense FP8 linears of a DeepSeek-V3.2 decode step at a few rows (where `auto` runs the Triton block
+    kernel): K split over 1..16 programs per output tile against bf16 `jnp.dot` and the FP8 weight-read floor. At
+    one row the kernel reads each weight once, so the floor is N x K bytes (plus scales) at the HBM rate."""
+    splits = SPLITS if not INTERPRET else (1, 2)
+    for name, K, N in SHAPES.decode_linears:
+        w8, w_scale = random_fp8_weight(jax.random.key(K + N), (N, K))
+        w_kn = jax.random.normal(jax.random.key(N), (K, N), jnp.bfloat16)
+        floor = (N * K + w_scale.size * 4) / HBM_BYTES_PER_S
+        for M in SHAPES.decode_rows:
+            flops = 2 * M * K * N
+            x = random_activations(jax.random.key(M), M, K)
+            say(f"\n  {name} M={M} K={K} N={N}: FP8 weight-read floor {floor * 1e3:.4f} ms "
+                f"(default tiles {default_tiles(M)})")
+            bf16 = time_row("bf16 jnp.dot x @ w[K,N]", jax.jit(jnp.dot), x, w_kn, flops=flops)
+            x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
+            fastest = time_tiles([dict(split_k=k) for k in splits], lambda o: jax.jit(
+                lambda a, s, b, c: fp8_block_matmul(a, s, b, c, block=BLOCK, out_dtype=jnp.bfloat16,
+                                                    interpret=INTERPRET, **o)),
+                (x8, x_scale, w8, w_scale), flops=flops, baseline=bf16)
+            if fastest:
+                t, best = fastest
+                ROWS.append(f"decode {name} M={M} K={K} N={N}: best {best} {t * 1e3:.4f} ms = x{bf16 / t:.2f} bf16, "
+                            f"{floor / t:.0%} of the FP8 weight-read floor")
+        del w8, w_scale, w_kn
+
+
 # ------------------------------------------------------------------------------------------------- grouped
 
 @section
@@ -378,7 +423,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="correctness of the compiled kernels first")
     ap.add_argument("--sweep", action="store_true", help="time tile options of the block kernel")
-    ap.add_argument("--only", default="", help="comma list of sections: check,dense,sweep,grouped,grouped_sweep")
+    ap.add_argument("--only", default="",
+                    help="comma list of sections: check,dense,sweep,decode,grouped,grouped_sweep (decode runs only "
+                         "when named)")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run: interpret mode, tiny shapes")
     ap.add_argument("--log", default=None)
     args = ap.parse_args()
@@ -398,6 +445,8 @@ def main():
         dense()
     if args.sweep and want("sweep"):
         sweep()
+    if "decode" in only:
+        decode()
     if want("grouped"):
         grouped()
     if args.sweep and want("grouped_sweep"):

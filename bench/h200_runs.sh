@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -69,6 +69,7 @@ for what in "$@"; do
     fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
         --log "$OUT/fp8_$(echo "${FP8_ONLY:-main}" | tr , _).log" ${FP8_SWEEP:-} 2>&1 | grep -v Warning | tail -40 ;;
     fp8_sweep) FP8_ONLY=sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
+    fp8_decode) FP8_ONLY=check,decode bash "$0" fp8 ;;  # the dense linears at 1 / 32 rows, K split 1..16 ways
     fp8_gsweep) FP8_ONLY=grouped_sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
     fp8_engine) for run in "pallas --fp8-block" "mosaic --fp8-block" "pallas"; do  # the FP8 GPU paths (Triton's
           set -- $run  # block kernels, then the Mosaic GPU ones) in the engine, against bf16

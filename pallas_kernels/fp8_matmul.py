@@ -262,8 +262,9 @@ def _matmul_impl(impl: str, block, interpret: bool) -> str:
 
 def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None, pow2_scales: bool = False,
                impl: str = "auto", interpret: bool = False, **kernel_options):
-    """x[M, K] @ FP8 w[N, K]ᵀ -> [M, N]. See the module docstring; `kernel_options` (block_m, block_n, num_warps,
-    num_stages) go to the Pallas kernel."""
+    """x[M, K] @ FP8 w[N, K]ᵀ -> [M, N]. See the module docstring; `kernel_options` go to the kernel that runs
+    (the Triton one's: block_m, block_n, num_warps, num_stages, byte_pairs, split_k; the Mosaic one's: tile_m,
+    steps_in_flight, group_items, ...)."""
     _check_operands(x, w, impl, IMPLS)
     _check_scales(w, w_scale, block, input_scale, stacked=0)
     which = _matmul_impl(impl, block, interpret)

@@ -26,8 +26,9 @@ which overflow past 2^31 elements, as a single device's MoE down projection of D
 offsets): the kernel splits each loaded pair tile into its low and high bytes and takes two e4m3 dots of half the
 K step, the even and the odd channels, whose sum is the block's product (x and w are paired alike).
 
-Dense: grid (N tiles, M tiles), the M tile fastest, so the programs running at once share few weight tiles and read
-the activations (the smaller operand) through L2. Grouped (MoE): the work items of `grouped_matmul.make_schedule`
+Dense: grid (N tiles, M tiles, K splits), the M tile fastest, so the programs running at once share few weight tiles
+and read the activations (the smaller operand) through L2; with `split_k` > 1 each split of the K blocks writes a
+float32 partial sum and XLA adds them (for a few rows against a weight of few column tiles). Grouped (MoE): the work items of `grouped_matmul.make_schedule`
 (expert, row tile, row range) on a grid (N tiles, items), each program storing only its item's rows; tail items
 store zeros, padding items nothing.
 """
@@ -76,9 +77,11 @@ def pallas_problem(block: tuple[int, int], block_m: int | None = None, block_n: 
                          block_n and pow2_tile_problem("block_n", block_n))
 
 
-def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, block_m, block_n, byte_pairs):
+def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, block_m, block_n, byte_pairs,
+                 k_blocks=None):
     """float32 [BM, BN]: Σ over K blocks of (x8 · w8[e]ᵀ)[rows r0.., cols n0..] · x scale (per row) · w scale (per
-    column), the K blocks in order. With `byte_pairs` x_ref and w_ref hold uint16 channel pairs (`as_byte_pairs`)."""
+    column), the K blocks in order: all of them, or those in `k_blocks` = (first, stop). With `byte_pairs` x_ref and
+    w_ref hold uint16 channel pairs (`as_byte_pairs`)."""
     bn, bk = block
     rows, cols = r0 + jnp.arange(block_m), n0 + jnp.arange(block_n)
     row_ok, col_ok = rows < M, cols < N
@@ -108,16 +111,27 @@ def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, blo
         w_scale = plgpu.load(ws_ref.at[e, cols // bn, kb], mask=col_ok, other=0.0)
         return acc + part * x_scale[:, None] * w_scale[None, :]
 
-    return lax.fori_loop(0, pl.cdiv(K, bk), step, jnp.zeros((block_m, block_n), jnp.float32))
+    first, stop = k_blocks or (0, pl.cdiv(K, bk))
+    return lax.fori_loop(first, stop, step, jnp.zeros((block_m, block_n), jnp.float32))
 
 
-def _dense_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, block, block_m, block_n, byte_pairs):
-    n0, r0 = pl.program_id(0) * block_n, pl.program_id(1) * block_m
+def _dense_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, block, block_m, block_n, byte_pairs,
+                  k_blocks_per_split):
+    """One [BM, BN] tile over one split of the K blocks (program axis 2). With one split (`k_blocks_per_split`
+    None: static loop bounds, as Triton's pipelining likes them), the output tile itself; with several, o_ref is
+    float32 [splits, M, N] and the split writes its partial sum (the caller adds them)."""
+    n0, r0, split = pl.program_id(0) * block_n, pl.program_id(1) * block_m, pl.program_id(2)
+    k_blocks = None
+    if k_blocks_per_split is not None:
+        first = split * k_blocks_per_split
+        k_blocks = (first, jnp.minimum(first + k_blocks_per_split, pl.cdiv(K, block[1])))
     # The one expert's index as an array: interpret mode's load rule takes no Python int among array indices.
     acc = _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, jnp.int32(0), r0, n0, M=M, N=N, K=K, block=block, block_m=block_m,
-                       block_n=block_n, byte_pairs=byte_pairs)
+                       block_n=block_n, byte_pairs=byte_pairs, k_blocks=k_blocks)
     in_tile = ((r0 + jnp.arange(block_m)) < M)[:, None] & ((n0 + jnp.arange(block_n)) < N)[None, :]
-    plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype), mask=in_tile)
+    out = o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)] if k_blocks is None else \
+        o_ref.at[split, pl.ds(r0, block_m), pl.ds(n0, block_n)]
+    plgpu.store(out, acc.astype(o_ref.dtype), mask=in_tile)
 
 
 def _grouped_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, E,
@@ -139,13 +153,17 @@ def _grouped_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, xs_ref, w_r
         plgpu.store(out, jnp.zeros((block_m, block_n), o_ref.dtype), mask=in_item)
 
 
-def _checked_options(block, rows, experts, options, interpret):
-    """The tile options (defaults from `default_tiles`, overridden by `options`), checked for Triton."""
-    unknown = set(options) - {"block_m", "block_n", "num_warps", "num_stages", "byte_pairs"}
+def _checked_options(block, rows, experts, options, interpret, *, dense=False):
+    """The tile options (defaults from `default_tiles`, overridden by `options`), checked for Triton. `split_k`
+    (the dense kernel's only) defaults to 1."""
+    known = {"block_m", "block_n", "num_warps", "num_stages", "byte_pairs"} | ({"split_k"} if dense else set())
+    unknown = set(options) - known
     if unknown:
         raise TypeError(f"unknown FP8 kernel options {sorted(unknown)}")
-    tiles = {**default_tiles(rows, experts), "byte_pairs": None,
+    tiles = {**default_tiles(rows, experts), "byte_pairs": None, "split_k": 1,
              **{k: v for k, v in options.items() if v is not None}}
+    if tiles["split_k"] < 1:
+        raise ValueError(f"split_k must be >= 1, got {tiles['split_k']}")
     if not interpret and (problem := pallas_problem(block, tiles["block_m"], tiles["block_n"])):
         raise ValueError(problem)
     return tiles
@@ -176,24 +194,32 @@ def fp8_block_matmul(x8, x_scale, w8, w_scale, *, block: tuple[int, int], out_dt
                      **options):
     """x8[M, K] @ w8[N, K]ᵀ with block scales (x_scale[M, ⌈K/bk⌉], w_scale[⌈N/bn⌉, ⌈K/bk⌉]) -> out_dtype[M, N].
     `options`: block_m, block_n, num_warps, num_stages (None or absent: `default_tiles`), byte_pairs (None or
-    absent: when an operand needs them)."""
+    absent: when an operand needs them), split_k (default 1): the K blocks split over that many programs per output
+    tile (at most one split per K block), whose float32 partial sums are added afterwards. For a few
+    rows against a narrow or long weight (DeepSeek's kv_a: N = 576, K = 7168, 18 column tiles of 32) one split
+    leaves most SMs idle; more splits give them work for one extra float32 [splits, M, N] round trip."""
     _check_operands(x8, x_scale, w8[None], w_scale[None], block)
     (M, K), N = x8.shape, w8.shape[0]
     if M == 0:
         return jnp.zeros((0, N), out_dtype)
-    tiles = _checked_options(block, M, 1, options, interpret)
+    tiles = _checked_options(block, M, 1, options, interpret, dense=True)
     block_m, block_n = tiles["block_m"], tiles["block_n"]
+    k_steps = pl.cdiv(K, block[1])
+    per_split = pl.cdiv(k_steps, min(tiles["split_k"], k_steps))
+    splits = pl.cdiv(k_steps, per_split)  # none empty
     x_in, w_in, byte_pairs = _paired_operands(x8, w8[None], tiles["byte_pairs"])
     kernel = functools.partial(_dense_kernel, M=M, N=N, K=K, block=block, block_m=block_m, block_n=block_n,
-                               byte_pairs=byte_pairs)
-    return pl.pallas_call(
+                               byte_pairs=byte_pairs, k_blocks_per_split=per_split if splits > 1 else None)
+    out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(N, block_n), pl.cdiv(M, block_m)),
-        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype),
+        grid=(pl.cdiv(N, block_n), pl.cdiv(M, block_m), splits),
+        out_shape=jax.ShapeDtypeStruct((M, N) if splits == 1 else (splits, M, N),
+                                       out_dtype if splits == 1 else jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]),
         interpret=interpret,
         name="fp8_block_matmul",
     )(x_in, x_scale.T, w_in, w_scale[None])
+    return out if splits == 1 else out.sum(axis=0).astype(out_dtype)
 
 
 def fp8_block_grouped_matmul(x8, x_scale, w8, w_scale, group_sizes, *, block: tuple[int, int], out_dtype,

@@ -257,6 +257,12 @@ KERNEL_SHAPES = [  # M, K, N, tile options
     (5, 384, 130, dict()),  # default tiles; N two columns past a block
     # As channel pairs (the form of operands past 2^31 elements): a partial last K block of 32 pairs.
     (20, 320, 192, dict(block_m=16, block_n=64, byte_pairs=True)),
+    # K split over programs: 7 K blocks in splits of 3, 3 and 1; a partial last K block in the last of two splits;
+    # more splits asked than there are K blocks (one per block); with channel pairs.
+    (5, 896, 192, dict(block_n=64, split_k=3)),
+    (20, 320, 192, dict(block_m=16, block_n=64, split_k=2)),
+    (3, 384, 130, dict(split_k=8)),
+    (20, 320, 192, dict(block_m=16, block_n=64, byte_pairs=True, split_k=2)),
 ]
 
 
@@ -409,11 +415,11 @@ def test_auto_runs_the_reference_on_cpu(monkeypatch):
 
 
 def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
-    """The Pallas-to-Triton lowering (run here without a GPU) takes e4m3 dots, the masked and partial edges and the
-    gathered column scales. That Triton then compiles them is the GPU test's and bench/fp8_kernels.py --check's."""
+    """The Pallas-to-Triton lowering (run here without a GPU) takes e4m3 dots, the masked and partial edges, the
+    gathered column scales and K split over programs (loop bounds from the program id). That Triton then compiles them is the GPU test's and bench/fp8_kernels.py --check's."""
     S, f8 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn
     for M, K, N, options in [(4096, 7168, 18432, {}), (16, 7168, 576, {}), (300, 1536, 576, dict(block_n=256)),
-                             (7, 200, 130, {})]:
+                             (7, 200, 130, {}), (1, 7168, 576, dict(split_k=8))]:
         dense = jax.jit(lambda x, w, s: fp8_matmul(x, w, s, block=BLOCK, impl="pallas", **options))
         cuda_lowering(dense, S((M, K), jnp.bfloat16), S((N, K), f8), S((-(-N // 128), -(-K // 128)), jnp.float32))
     grouped = jax.jit(lambda x, w, s, g: fp8_grouped_matmul(x, w, s, g, block=BLOCK, impl="pallas"))
@@ -446,10 +452,11 @@ def test_compiled_kernels_on_gpu(block, byte_pairs):
     bound = grouped_summation_bound(x, w8, w_scale, block, input_scale, sizes, tensor_cores=True)
     assert_within_summation_bound(got[:280], want[:280], bound)
     assert not np.asarray(got[280:]).any()
-    if block:  # dense, and with a partial last K block (zero-filled e4m3 loads)
-        for k in [K, 200]:
+    if block:  # dense, with a partial last K block (zero-filled e4m3 loads), and with K split over programs
+        for k, split_k in [(K, 1), (200, 1), (K, 3)]:
             operands = (x[:, :k], w8[0, :, :k], w_scale[0, :, :-(-k // 128)])
-            got = jax.jit(lambda *a: fp8_matmul(*a, block=BLOCK, impl="pallas", byte_pairs=byte_pairs))(*operands)
+            got = jax.jit(lambda *a: fp8_matmul(*a, block=BLOCK, impl="pallas", byte_pairs=byte_pairs,
+                                                split_k=split_k))(*operands)
             want = fp8_matmul(*operands, block=BLOCK, impl="xla")
             assert_within_summation_bound(got, want, summation_bound(*operands, BLOCK, tensor_cores=True))
     else:  # per-tensor dense: cuBLASLt's e4m3 GEMM (impl xla_fp8), float32 accumulation asked for
