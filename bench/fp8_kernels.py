@@ -44,7 +44,7 @@ from pallas_kernels.fp8_matmul import (_mosaic_kernels_available, fp8_grouped_ma
                                        quantize_activations, quantize_static, quantize_weight)
 from pallas_kernels.fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic, fp8_block_matmul_mosaic
 from pallas_kernels.fp8_matmul_pallas import (default_tiles, fp8_block_grouped_matmul, fp8_block_matmul,
-                                              needs_byte_pairs)
+                                              needs_byte_pairs, suggested_split_k)
 from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul_pallas
 
 BLOCK = (128, 128)
@@ -331,7 +331,9 @@ def decode():
                 f"(default tiles {default_tiles(M)})")
             bf16 = time_row("bf16 jnp.dot x @ w[K,N]", jax.jit(jnp.dot), x, w_kn, flops=flops)
             x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
-            fastest = time_tiles([dict(split_k=k) for k in splits], lambda o: jax.jit(
+            suggested = suggested_split_k(M, N, K, BLOCK)
+            say(f"  suggested_split_k: {suggested}")
+            fastest = time_tiles([dict(split_k=k) for k in sorted({*splits, suggested})], lambda o: jax.jit(
                 lambda a, s, b, c: fp8_block_matmul(a, s, b, c, block=BLOCK, out_dtype=jnp.bfloat16,
                                                     interpret=INTERPRET, **o)),
                 (x8, x_scale, w8, w_scale), flops=flops, baseline=bf16)

@@ -69,6 +69,15 @@ def default_tiles(rows: int, experts: int = 1) -> dict:
     return dict(block_m=block_m, block_n=64, num_warps=4, num_stages=4)
 
 
+def suggested_split_k(rows: int, N: int, K: int, block: tuple[int, int], sms: int = 132) -> int:
+    """A split of the K blocks for the dense kernel with `default_tiles(rows)` (a candidate default, to be measured
+    against `bench/fp8_kernels.py --only decode`): enough programs for two per SM, each split still walking at least
+    4 K blocks (what the 4-stage load pipeline overlaps); 1 when the output tiles alone give that many programs."""
+    tiles = default_tiles(rows)
+    programs = -(-N // tiles["block_n"]) * -(-rows // tiles["block_m"])
+    return max(1, min(-(-K // block[1]) // 4, -(-2 * sms // programs)))
+
+
 def pallas_problem(block: tuple[int, int], block_m: int | None = None, block_n: int | None = None) -> str | None:
     """Why the compiled kernel cannot take this scale block or these tiles (None when it can): the K step is the
     scale block's width and, like the tiles, a Triton dot dimension."""

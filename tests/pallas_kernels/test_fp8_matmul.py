@@ -25,6 +25,7 @@ import pytest
 
 from pallas_kernels import _dispatch, dequantize_weight, fp8_grouped_matmul, fp8_matmul, quantize_activations
 from pallas_kernels.fp8_matmul import _dequantized_input, _matmul_impl, quantize_weight
+from pallas_kernels.fp8_matmul_pallas import default_tiles, suggested_split_k
 from tests.fp8_bounds import TENSOR_CORE_BOUND, assert_within_summation_bound, fp8_gemms_run_on_tensor_cores
 from tests.numerics import rms_relative_error
 
@@ -279,6 +280,17 @@ def test_block_kernel_equals_the_reference(M, K, N, options):
     want = dense(x, w8, w_scale, block=BLOCK, impl="xla")
     assert got.shape == (M, N) and got.dtype == x.dtype
     assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, BLOCK))
+
+
+@pytest.mark.parametrize("rows, N, K", [(1, 576, 7168), (1, 1536, 7168), (1, 24576, 1536), (32, 7168, 16384),
+                                        (1, 128, 256)])
+def test_suggested_split_k_fills_the_sms_with_splits_of_four_k_blocks_or_more(rows, N, K):
+    split = suggested_split_k(rows, N, K, BLOCK, sms=132)
+    tiles = default_tiles(rows)
+    programs = -(-N // tiles["block_n"]) * -(-rows // tiles["block_m"])
+    assert split >= 1 and (split == 1 or K // 128 // split >= 4)
+    assert (split == 1) == (programs >= 264 or K // 128 < 8)  # two programs per SM from the tiles alone, or K short
+    assert programs * split >= 264 or split == max(1, K // 128 // 4)
 
 
 def test_block_kernel_with_pow2_scales_and_bf16_activations():
