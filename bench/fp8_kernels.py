@@ -8,11 +8,14 @@ Sections:
   * check (--check): compiled kernels against the XLA reference (dequantize, one float32 HIGHEST dot), float32
     outputs; max |error| / max |ref| must stay below 1e-3: Hopper's FP8 MMA keeps about 14 bits while it sums a
     128-term K block (DeepSeek-V3 report §3.3.2), which leaves ~1e-4 here, and a wrong scale block errs by ~1e-1.
-    Exits non-zero on failure.
+    The Mosaic kernel (jax >= 0.11) is checked with each of MOSAIC_CHECKS (without clusters and with pairs); one
+    that fails to compile fails its check. Exits non-zero on failure.
   * dense: x[M, 7168] @ w[18432, 7168]ᵀ (DeepSeek's dense-MLP up projection) at M = 4096, 128, 16: bf16 `jnp.dot`
     with w as [K, N] and with the checkpoint's [N, K] layout, the XLA dot of two e4m3 operands in cuBLASLt's TN
     layout (no scales: the library's ceiling), the per-tensor `fp8_matmul` on it (impl xla_fp8: quantization and
-    scales included), and the block-scaled Pallas kernel with the activation quantization and without (kernel only).
+    scales included), the block-scaled Pallas kernel with the activation quantization and without (kernel only),
+    and the Mosaic kernel (kernel only, jax >= 0.11, M >= 128) with each of MOSAIC_TILES whose row multiple divides
+    M (a pair of row tiles with cluster=2).
   * sweep (--sweep): tile options (block_m, block_n, num_warps, num_stages) of the block kernel at those shapes;
     grouped_sweep (--sweep too): the grouped kernel's, at 128 experts (the plain path) and 256 (byte pairs).
   * decode (--only decode): DeepSeek-V3.2's dense linears at 1 and 32 rows, the block kernel with its K split over
@@ -42,7 +45,7 @@ from dsa_kernels import routed_sizes
 from kernel_report import ROWS, open_log, say, section, timeit
 from pallas_kernels.fp8_matmul import (_mosaic_kernels_available, fp8_grouped_matmul, fp8_matmul, fp8_matmul_xla_fp8,
                                        quantize_activations, quantize_static, quantize_weight)
-from pallas_kernels.fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic, fp8_block_matmul_mosaic
+from pallas_kernels.fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic, fp8_block_matmul_mosaic, row_multiple
 from pallas_kernels.fp8_matmul_pallas import (default_tiles, fp8_block_grouped_matmul, fp8_block_matmul,
                                               needs_byte_pairs, suggested_split_k)
 from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul_pallas
@@ -116,10 +119,14 @@ def random_fp8_weight(key, shape):
     return quantize_weight(jax.random.normal(key, shape, jnp.float32) * shape[-1] ** -0.5, BLOCK)
 
 
-# The Mosaic GPU kernel (jax >= 0.11, on the GPU only) and the tiles it is timed with.
+# The Mosaic GPU kernel (jax >= 0.11, on the GPU only), the tiles it is timed with (release_early measured no gain
+# on the H200, 1.087 vs 1.086 ms, and is no longer timed; cluster=2 multicasts w's tiles to pairs of CTAs) and the
+# options it is checked with.
 MOSAIC = _mosaic_kernels_available()
-MOSAIC_TILES = [dict(tile_m=64, steps_in_flight=4), dict(tile_m=64, steps_in_flight=4, release_early=True),
-                dict(tile_m=64, steps_in_flight=5, release_early=True), dict(tile_m=64, steps_in_flight=3)]
+MOSAIC_TILES = [dict(tile_m=64, steps_in_flight=4), dict(tile_m=64, steps_in_flight=3),
+                dict(tile_m=64, steps_in_flight=4, cluster=2), dict(tile_m=64, steps_in_flight=5, cluster=2),
+                dict(tile_m=64, steps_in_flight=4, group_items=8, cluster=2)]
+MOSAIC_CHECKS = [{}, dict(cluster=2)]
 
 # The e4m3 dot's algorithm: XLA's default, float32 accumulation (what fp8_matmul_xla_fp8 asks for on the GPU), and
 # cuBLASLt's fast (unpromoted) accumulation.
@@ -172,8 +179,9 @@ def check():
         want = jax.jit(lambda a, b, c: fp8_matmul(a, b, c, block=BLOCK, impl="xla"))(x, w8, w_scale)
         report_check(f"block M={M} K={K} N={N} {options}", relative_max_error(got, want))
         if MOSAIC and not K % 128 and not N % 128:
-            check_mosaic(f"block Mosaic kernel M={M} K={K} N={N}", want, lambda: jax.jit(
-                lambda a, b, c: fp8_matmul(a, b, c, block=BLOCK, impl="mosaic"))(x, w8, w_scale))
+            for o in MOSAIC_CHECKS:  # fp8_matmul pads the rows to the kernel's (a pair of row tiles with clusters)
+                check_mosaic(f"block Mosaic kernel M={M} K={K} N={N} {o}", want, lambda: jax.jit(
+                    lambda a, b, c: fp8_matmul(a, b, c, block=BLOCK, impl="mosaic", **o))(x, w8, w_scale))
         scale, input_scale = jnp.float32(0.01), jnp.float32(4 / 448)
         got = jax.jit(lambda a, b: fp8_matmul(a, b, scale, block=None, input_scale=input_scale,
                                               impl="xla_fp8"))(x, w8)
@@ -285,7 +293,8 @@ def dense():
                     f"x{bf16 / t:.2f} bf16 jnp.dot ({flops / bf16 / 1e12:.0f} TFLOP/s)")
         if MOSAIC and M >= 128:
             say(f"  fp8_block_matmul_mosaic kernel only M={M}:")
-            fastest = time_tiles(MOSAIC_TILES, lambda o: jax.jit(lambda a, s, b, c: fp8_block_matmul_mosaic(
+            tiles = [o for o in MOSAIC_TILES if not M % row_multiple(o["tile_m"], o.get("cluster", 1))]
+            fastest = time_tiles(tiles, lambda o: jax.jit(lambda a, s, b, c: fp8_block_matmul_mosaic(
                 a, s, b, c, **o)), (x8, x_scale, w8, w_scale), flops=flops, baseline=bf16)
             if fastest:
                 t, best = fastest

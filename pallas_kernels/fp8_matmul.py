@@ -294,10 +294,10 @@ def _check_mosaic_block(block) -> None:
 
 
 def _mosaic_matmul(x, w, w_scale, pow2_scales, interpret, **kernel_options):
-    """The Mosaic GPU kernel on rows padded to its row tile (2 x tile_m)."""
-    from .fp8_matmul_mosaic import fp8_block_matmul_mosaic
+    """The Mosaic GPU kernel on rows padded to its row tile (2 x tile_m, times the cluster size)."""
+    from .fp8_matmul_mosaic import fp8_block_matmul_mosaic, row_multiple
 
-    rows = 2 * kernel_options.get("tile_m", 64)
+    rows = row_multiple(kernel_options.get("tile_m", 64), kernel_options.get("cluster", 1))
     M = x.shape[0]
     x8, x_scale = quantize_activations(x, 128, pow2_scales=pow2_scales)
     pad = -M % rows

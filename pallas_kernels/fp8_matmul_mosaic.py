@@ -20,8 +20,18 @@ consumer need two float32 accumulators of 128 registers a thread each and spille
 where this tile reached 682, before the scalar scale and the grouped sweep). The output tiles are handed out by a
 persistent loop over the SMs, in groups of row tiles that share each column tile of w (`_work_tile`).
 
-Shapes: M a multiple of 2 * tile_m, N and K of 128 (the wrapper in `fp8_matmul` pads M). Runs on jax >= 0.11
-(Pallas Mosaic GPU with warpgroup semantics); `interpret=True` runs it on CPU in Mosaic GPU's interpreter.
+Clusters (`cluster=2`, dense only, opt-in): each CTA loads a [2 * tile_m, 128] x tile and a [128, 128] w tile from
+L2 per K step, 32 KB at tile_m = 64, ~8 TB/s over the SMs at the H200's 1.08 ms for DeepSeek's up projection: the
+suspected limit. DeepGEMM's remedy: the two CTAs of a cluster compute consecutive row tiles (a work unit) against
+the same column tile at every iteration of the persistent loop, and w's tile is multicast (each CTA's TMA loads
+half of it into both CTAs' shared memory), 24 KB from L2 per CTA and step. A pipeline slot is then released
+through a cluster barrier, refilled only once the consumers of both CTAs are done with it (the peer writes into it
+too), so the two CTAs stay within `steps_in_flight` steps of each other.
+
+Shapes: M a multiple of cluster * 2 * tile_m (`row_multiple`), N and K of 128 (the wrapper in `fp8_matmul` pads
+M). Runs on jax >= 0.11 (Pallas Mosaic GPU with warpgroup semantics); `interpret=True` runs it on CPU in Mosaic
+GPU's interpreter (which copies a multicast tile into each CTA on its own: it checks the work split, not the
+multicast).
 """
 
 from __future__ import annotations
@@ -38,6 +48,10 @@ BLOCK = 128  # the scale block along both N and K; also the K step and the colum
 # needs its destination 128-byte aligned, and the pipeline's buffers of 16-byte copies were not (the H200 reported a
 # misaligned address).
 SCALE_LANES = 32
+CLUSTER = "cluster"  # the cluster axis: a CTA's rank in its cluster
+# Cluster sizes the dense kernel takes: w's [128, 128] tile is multicast in `cluster` slices of its 8-row tiles, and
+# pairs (DeepGEMM's choice) are the only size lowered and interpreted so far.
+CLUSTER_SIZES = (1, 2)
 
 
 def _mosaic():
@@ -50,35 +64,50 @@ def _num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
+def row_multiple(tile_m: int = 64, cluster: int = 1) -> int:
+    """What the dense kernel's M must be a multiple of: a [2 * tile_m, 128] output tile per CTA, and the `cluster`
+    CTAs of a cluster on consecutive row tiles."""
+    return cluster * 2 * tile_m
+
+
 def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16, tile_m: int = 64,
                             steps_in_flight: int = 4, group_items: int = 16, release_early: bool = False,
-                            num_programs: int | None = None, interpret: bool = False):
+                            cluster: int = 1, num_programs: int | None = None, interpret: bool = False):
     """See the module docstring. Output tiles are [2 * tile_m, 128], each consumer warpgroup computing
     [tile_m, 128] of it; `steps_in_flight` K steps are loaded ahead; `group_items` row tiles are swept together
     (each column tile of w is read once per group; see `_work_tile`). `release_early` hands each K step's shared
-    memory back to the producer once its wgmma is done rather than after the promotion (a candidate, unmeasured)."""
+    memory back to the producer once its wgmma is done rather than after the promotion (measured on the H200: no
+    gain). `cluster=2` runs clusters of two CTAs on pairs of row tiles, w's tiles multicast to both (see the module
+    docstring). `num_programs` CTAs (default: one per SM) run the persistent loop, `cluster` at a time."""
     M, N = x8.shape[0], w8.shape[0]
-    cta_m = 2 * tile_m
-    if M % cta_m:
-        raise ValueError(f"M={M} must be a multiple of {cta_m}")
+    cta_m, rows = 2 * tile_m, row_multiple(tile_m, cluster)
+    if M % rows:
+        raise ValueError(f"M={M} must be a multiple of {rows} (cluster={cluster} CTAs of {cta_m}-row tiles)")
     _check_scales(x8, x_scale, w8[None], w_scale[None])
     tiles = jnp.arange(M // cta_m, dtype=jnp.int32)
     out = _scaled_gemm(x8, x_scale, w8[None], w_scale[None], jnp.zeros_like(tiles), tiles, out_dtype=out_dtype,
                        tile_m=tile_m, steps_in_flight=steps_in_flight, group_items=group_items,
-                       release_early=release_early, num_programs=num_programs, interpret=interpret)
+                       release_early=release_early, cluster=cluster, num_programs=num_programs,
+                       interpret=interpret)
     return out.reshape(M, N)  # item i is row tile i
 
 
 def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, out_dtype=jnp.bfloat16,
                                     tile_m: int = 64, steps_in_flight: int = 4, group_items: int = 16,
-                                    release_early: bool = False, num_programs: int | None = None,
-                                    interpret: bool = False):
+                                    release_early: bool = False, cluster: int = 1,
+                                    num_programs: int | None = None, interpret: bool = False):
     """Rows x8[M, K] sorted by expert (`grouped_matmul`'s layout), row r times w8[g(r)]ᵀ (w8[E, N, K]) with block
     scales -> [M, N]; rows past sum(group_sizes) are zeros.
 
     TMA stores write whole tiles, so a row tile shared by two experts cannot be stored in place: each work item of
     `grouped_matmul.make_schedule` (expert, row tile) writes its own [2 * tile_m, N] block of a buffer, and each row
-    is then gathered from the item that owns it (one more read and write of the output)."""
+    is then gathered from the item that owns it (one more read and write of the output).
+
+    `cluster` must be 1: a cluster's CTAs share w's tile, so the items they run together would have to be of one
+    expert, and `make_schedule` does not pair them so (an expert's items may be odd in number)."""
+    if cluster != 1:
+        raise ValueError(f"the grouped Mosaic kernel runs without clusters (cluster=1), got cluster={cluster}: "
+                         "paired items would have to share an expert")
     from .grouped_matmul import make_schedule
     from .packing import count_at_or_below
 
@@ -89,8 +118,8 @@ def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, ou
     pad = -M % cta_m
     blocks = _scaled_gemm(jnp.pad(x8, ((0, pad), (0, 0))), jnp.pad(x_scale, ((0, pad), (0, 0))), w8, w_scale,
                           expert, tile, out_dtype=out_dtype, tile_m=tile_m, steps_in_flight=steps_in_flight,
-                          group_items=group_items, release_early=release_early, num_programs=num_programs,
-                          interpret=interpret)
+                          group_items=group_items, release_early=release_early, cluster=1,
+                          num_programs=num_programs, interpret=interpret)
     # The item of each row: items cover the rows in order, so it is the count of used items ending at or before it.
     used = expert >= 0
     ends = jnp.where(used, end, M + 1)
@@ -114,7 +143,8 @@ def _is_routed(expert, E: int):
 
 
 def _work_tile(work, items, n_iters: int, group_items: int):
-    """(item, column tile) of a persistent loop's work index over `items` items (a traced count: the routed ones).
+    """(item, column tile) of a persistent loop's work index over `items` items (a traced count: the routed ones;
+    with clusters, the items here are work units, see `_scaled_gemm`).
     Items are swept in groups of `group_items`, and within a group the column tile is the slow index: the SMs at
     work together read a few column tiles of w (streamed from HBM once per group) against the group's rows (which
     stay in L2). Row-major order instead would read all of w (132 MB at DeepSeek's 18432 x 7168) from HBM once per
@@ -126,19 +156,36 @@ def _work_tile(work, items, n_iters: int, group_items: int):
     return first + within % size, within // size
 
 
+def _cta_item(unit, cluster: int):
+    """The item this CTA computes of a work unit: without clusters the unit itself; with clusters, the units are
+    runs of `cluster` consecutive items (row tiles, computed against one column tile of w), one per CTA."""
+    if cluster == 1:
+        return unit
+    return unit * cluster + lax.axis_index(CLUSTER)
+
+
 def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype, tile_m, steps_in_flight,
-                 group_items, release_early, num_programs, interpret):
+                 group_items, release_early, cluster, num_programs, interpret):
     """blocks[i] = x8[row tile item_tile[i]] @ w8[item_expert[i]]ᵀ with the block scales, float32 promotion per K
     step -> [items, 2 * tile_m, N]; items that are not routed (`_is_routed`) are skipped (their block is left as
     is). Those come last in `grouped_matmul.make_schedule` (the tail past the routed rows, then padding), so the
     persistent loop runs over the routed prefix only, its length read in the kernel: a decode step routes a few rows
     to a few experts of a schedule sized for E + M/128 items, and visiting every item cost each SM dozens of idle
-    iterations per call."""
+    iterations per call.
+
+    The loop's work units are runs of `cluster` consecutive items (`_cta_item`), each CTA of a cluster on one of
+    them, and `group_items` counts items: a group of `group_items // cluster` units keeps as many rows in L2. A unit
+    is routed when its first item is (with clusters every item is: only the dense kernel takes them)."""
+    if cluster not in CLUSTER_SIZES:
+        raise ValueError(f"cluster={cluster}: the kernel takes clusters of {CLUSTER_SIZES} CTAs")
+    items = item_expert.shape[0]
+    if items % cluster:
+        raise ValueError(f"{items} items do not split into clusters of {cluster}")
     plgpu = _mosaic()
     (M, K), (E, N, _) = x8.shape, w8.shape
     cta_m = 2 * tile_m  # one [tile_m, 128] half per consumer warpgroup
-    items, n_iters, k_iters = item_expert.shape[0], N // BLOCK, K // BLOCK
-    group_items = max(1, min(group_items, items))
+    n_iters, k_iters = N // BLOCK, K // BLOCK
+    group_units = max(1, min(group_items, items) // cluster)
     # Scales in the layout the K loop reads them, one row per K step: x's per row, w's per column block (each
     # repeated SCALE_LANES times, see there).
     xs_t = x_scale.astype(jnp.float32).T
@@ -155,7 +202,9 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
             max_concurrent_steps=steps_in_flight, compute_context=context, manual_consumed_barriers=release_early,
             in_specs=[
                 plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
+                # With clusters, both CTAs load the same w tile (same column tile, same expert): multicast.
+                plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM,
+                                collective_axes=(CLUSTER,) if cluster > 1 else None),
                 plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((1, SCALE_LANES), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ])
@@ -172,12 +221,15 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                            collective_axes="wg")
         def _scope(allocations, out_smem):
             wg = lax.axis_index("wg")
-            routed = routed_gmem[0]
+            routed = routed_gmem[0]  # work units
 
+            # Both CTAs of a cluster have the same "sm" index (it counts clusters), hence the same work units and
+            # column tiles in the same order, as the multicast needs.
             @plgpu.nd_loop((routed * n_iters,), collective_axes="sm")
             def _work(loop):
                 (work,) = loop.index
-                item, n_idx = _work_tile(work, routed, n_iters, group_items)
+                unit, n_idx = _work_tile(work, routed, n_iters, group_units)
+                item = _cta_item(unit, cluster)
                 expert, m_idx = expert_gmem[item], tile_gmem[item]
                 rows = pl.ds(wg * tile_m, tile_m)
                 columns = pl.ds(n_idx * BLOCK, BLOCK)
@@ -219,10 +271,12 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    # The grid counts clusters (a cluster of 1 lowers as no cluster at all).
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((items, cta_m, N), out_dtype),
-        grid=(num_programs or _num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(max(1, (num_programs or _num_sms()) // cluster),), grid_names=("sm",), cluster=(cluster,),
+        cluster_names=(CLUSTER,), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}))
-    routed_items = jnp.sum(_is_routed(item_expert, E), dtype=jnp.int32)[None]
-    return call(routed_items, item_expert.astype(jnp.int32), item_tile.astype(jnp.int32), x8, xs_t, w8, ws_t)
+    routed_units = jnp.sum(_is_routed(item_expert[::cluster], E), dtype=jnp.int32)[None]
+    return call(routed_units, item_expert.astype(jnp.int32), item_tile.astype(jnp.int32), x8, xs_t, w8, ws_t)

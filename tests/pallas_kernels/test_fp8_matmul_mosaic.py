@@ -1,6 +1,10 @@
 """The Mosaic GPU FP8 block GEMM (`pallas_kernels.fp8_matmul_mosaic`, jax >= 0.11) against the XLA reference: in
 Mosaic GPU's interpreter (any machine) held to the float32 summation bound of test_fp8_matmul, compiled on the GPU to
-the FP8 tensor cores' bound; its lowering for an H200 at DeepSeek's shapes; and its order of work (any jax)."""
+the FP8 tensor cores' bound; its lowering for an H200 at DeepSeek's shapes; and its order of work (any jax).
+
+With clusters of two CTAs (`cluster=2`) the interpreter checks the split of the work (both CTAs on one column tile,
+each on its own row tile) but not the multicast of w's tiles, which it copies into each CTA on its own: that is
+left to the lowering (a legal split of the TMA copy) and to the compiled test on the GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +57,17 @@ def operands(M, K, N, seed):
 @pytest.mark.parametrize("M, K, N, tiles, programs", [(128, 384, 384, dict(tile_m=64), 2),
                                                       (256, 256, 128, dict(tile_m=64), 3),
                                                       (512, 256, 384, dict(tile_m=64, group_items=3), 2),
-                                                      (256, 512, 256, dict(tile_m=64, release_early=True), 2)])
+                                                      (256, 512, 256, dict(tile_m=64, release_early=True), 2),
+                                                      (768, 256, 384, dict(tile_m=64, group_items=4, cluster=2), 4),
+                                                      (256, 256, 128, dict(tile_m=64, cluster=2), 6),
+                                                      (512, 384, 256, dict(tile_m=64, release_early=True, cluster=2),
+                                                       2)])
 def test_interpreted_kernel_equals_the_reference(M, K, N, tiles, programs):
     """Several output tiles per program (a persistent loop over fewer programs than tiles) or an idle program, row
     tiles swept in groups (the last one short), shared memory handed back before the promotion, several K steps
-    with scales 1/8..8 per block and activations spanning 1e-2..30 per 128 channels."""
+    with scales 1/8..8 per block and activations spanning 1e-2..30 per 128 channels. With clusters of two: 3 row
+    tile pairs in groups of 2 pairs (the last short) x 3 column tiles over 2 clusters, 1 pair over 3 clusters (2
+    idle), and the slots handed back early through cluster barriers."""
     x, w8, w_scale = operands(M, K, N, M + N)
     x8, x_scale = quantize_activations(x, 128)
     got = fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, out_dtype=jnp.float32, num_programs=programs,
@@ -68,13 +78,14 @@ def test_interpreted_kernel_equals_the_reference(M, K, N, tiles, programs):
 
 @needs_mosaic
 @pytest.mark.cpu_only
-def test_fp8_matmul_takes_the_mosaic_kernel_on_any_rows():
-    """impl="mosaic" through fp8_matmul: 100 rows, padded to the kernel's 128-row tile and cut back, bf16 in and out
-    (both sides round float32 sums within the bound to bf16: beyond it they may differ by one bf16 step, at most
-    2^-7 of the value)."""
+@pytest.mark.parametrize("options", [{}, dict(cluster=2)])
+def test_fp8_matmul_takes_the_mosaic_kernel_on_any_rows(options):
+    """impl="mosaic" through fp8_matmul: 100 rows, padded to the kernel's 128-row tile (a pair of them with
+    clusters) and cut back, bf16 in and out (both sides round float32 sums within the bound to bf16: beyond it they
+    may differ by one bf16 step, at most 2^-7 of the value)."""
     x, w8, w_scale = operands(100, 256, 256, 7)
     x = x.astype(jnp.bfloat16)
-    got = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="mosaic", interpret=True, num_programs=2)
+    got = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="mosaic", interpret=True, num_programs=2, **options)
     want = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="xla")
     assert got.shape == (100, 256) and got.dtype == jnp.bfloat16
     bound = summation_bound(x, w8, w_scale, BLOCK) + 2.0 ** -7 * np.abs(np.asarray(want, np.float64))
@@ -107,12 +118,27 @@ def test_interpreted_grouped_kernel_equals_the_reference(sizes):
     np.testing.assert_array_equal(np.asarray(through_fp8), np.asarray(got))
 
 
+def test_clusters_are_refused_where_the_kernel_cannot_take_them():
+    """Rows that do not fill a pair of row tiles, clusters other than pairs, and the grouped kernel (whose schedule
+    does not pair items of one expert): a ValueError before anything is traced, on any jax."""
+    x8, x_scale = jnp.zeros((384, 256), jnp.float8_e4m3fn), jnp.ones((384, 2), jnp.float32)
+    w8, w_scale = jnp.zeros((128, 256), jnp.float8_e4m3fn), jnp.ones((1, 2), jnp.float32)
+    with pytest.raises(ValueError, match="M=384 must be a multiple of 256"):
+        fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, cluster=2)
+    with pytest.raises(ValueError, match="clusters of \\(1, 2\\) CTAs"):
+        fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, cluster=3)
+    with pytest.raises(ValueError, match="grouped Mosaic kernel runs without clusters"):
+        fp8_block_grouped_matmul_mosaic(x8, x_scale, w8[None], w_scale[None], jnp.array([384], jnp.int32), cluster=2)
+
+
 @needs_mosaic
 def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
-    """Mosaic GPU's lowering (layouts, swizzles, shared memory) of the dense up projection's shape, without a GPU."""
+    """Mosaic GPU's lowering (layouts, swizzles, shared memory, and with clusters the multicast of w's tile split
+    between the two CTAs) of the dense up projection's shape, without a GPU."""
     S = jax.ShapeDtypeStruct
     M, K, N = 4096, 7168, 18432
-    for tiles in [dict(tile_m=64), dict(tile_m=128, steps_in_flight=3), dict(tile_m=64, release_early=True)]:
+    for tiles in [dict(tile_m=64), dict(tile_m=128, steps_in_flight=3), dict(tile_m=64, release_early=True),
+                  dict(tile_m=64, cluster=2), dict(tile_m=64, steps_in_flight=5, release_early=True, cluster=2)]:
         f = jax.jit(lambda a, s, b, t: fp8_block_matmul_mosaic(a, s, b, t, num_programs=132, **tiles))
         jax.export.export(f, platforms=["cuda"])(S((M, K), jnp.float8_e4m3fn), S((M, K // 128), jnp.float32),
                                                  S((N, K), jnp.float8_e4m3fn), S((N // 128, K // 128), jnp.float32))
@@ -126,10 +152,14 @@ def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
 
 @needs_mosaic
 @pytest.mark.gpu
-def test_compiled_kernel_on_gpu():
+@pytest.mark.parametrize("options", [{}, dict(cluster=2), dict(cluster=2, num_programs=4, group_items=2),
+                                     dict(cluster=2, num_programs=4, release_early=True)])
+def test_compiled_kernel_on_gpu(options):
+    """Without clusters and with pairs (one work unit per cluster at most, or six per cluster in groups of one pair,
+    or slots handed back early through cluster barriers)."""
     x, w8, w_scale = operands(512, 1024, 768, 5)
     x8, x_scale = quantize_activations(x, 128)
-    got = jax.jit(lambda *a: fp8_block_matmul_mosaic(*a, out_dtype=jnp.float32))(x8, x_scale, w8, w_scale)
+    got = jax.jit(lambda *a: fp8_block_matmul_mosaic(*a, out_dtype=jnp.float32, **options))(x8, x_scale, w8, w_scale)
     want = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="xla")
     assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, BLOCK, tensor_cores=True))
 
