@@ -127,11 +127,12 @@ def _scaled_tile(x_ref, xs_ref, w_ref, ws_ref, e, r0, n0, *, M, N, K, block, blo
 def _dense_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, block, block_m, block_n, byte_pairs,
                   k_blocks_per_split):
     """One [BM, BN] tile over one split of the K blocks (program axis 2). With one split (`k_blocks_per_split`
-    None: static loop bounds, as Triton's pipelining likes them), the output tile itself; with several, o_ref is
-    float32 [splits, M, N] and the split writes its partial sum (the caller adds them)."""
-    n0, r0, split = pl.program_id(0) * block_n, pl.program_id(1) * block_m, pl.program_id(2)
+    None: a 2-D grid and static loop bounds, the kernel as it was before splits), the output tile itself; with
+    several, o_ref is float32 [splits, M, N] and the split writes its partial sum (the caller adds them)."""
+    n0, r0 = pl.program_id(0) * block_n, pl.program_id(1) * block_m
     k_blocks = None
-    if k_blocks_per_split is not None:
+    if k_blocks_per_split is not None:  # a third grid axis, the split
+        split = pl.program_id(2)
         first = split * k_blocks_per_split
         k_blocks = (first, jnp.minimum(first + k_blocks_per_split, pl.cdiv(K, block[1])))
     # The one expert's index as an array: interpret mode's load rule takes no Python int among array indices.
@@ -221,7 +222,7 @@ def fp8_block_matmul(x8, x_scale, w8, w_scale, *, block: tuple[int, int], out_dt
                                byte_pairs=byte_pairs, k_blocks_per_split=per_split if splits > 1 else None)
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(N, block_n), pl.cdiv(M, block_m), splits),
+        grid=(pl.cdiv(N, block_n), pl.cdiv(M, block_m), *([splits] if splits > 1 else [])),
         out_shape=jax.ShapeDtypeStruct((M, N) if splits == 1 else (splits, M, N),
                                        out_dtype if splits == 1 else jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]),
