@@ -21,7 +21,8 @@ Sections:
   * decode (--only decode): DeepSeek-V3.2's dense linears at 1 and 32 rows, the block kernel with its K split over
     1..16 programs (`split_k`) against bf16 `jnp.dot` and the FP8 weight-read floor.
   * grouped: DeepSeek's routed experts, E = 256, hidden 7168 <-> moe_intermediate 2048, top-8 of uniformly random
-    routing, 4096 and 256 tokens (x8 rows): the FP8 grouped kernel (with and without quantization) against our bf16
+    routing, 4096 and 256 tokens (x8 rows; `--tokens` picks others, e.g. decode's 1,8,32, with the routed experts'
+    weight-read floor): the FP8 grouped kernel (with and without quantization) against our bf16
     `grouped_matmul` on the same shapes.
 FLOP/s count 2·M·N·K; speed-ups are over the bf16 row of the same shape. Random operands are made on the device.
 Times: `kernel_report.timeit` (back-to-back calls, median of rounds), short rounds so that the whole run, compilation
@@ -367,7 +368,9 @@ def grouped():
             x = random_activations(jax.random.key(tokens), M, K)
             sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
             label = f"{name} E={E} K={K} N={N} tokens={tokens} (M={M})"
-            say(f"\n  {label}")
+            routed = int(np.count_nonzero(np.asarray(sizes)))
+            say(f"\n  {label}: {routed} experts routed, their FP8 weight-read floor "
+                f"{routed * N * K / HBM_BYTES_PER_S * 1e3:.4f} ms")
             bf16 = time_row(f"bf16 grouped_matmul block_m={default_block_m(M, E)}",
                             jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, interpret=INTERPRET)),
                             x, w_bf16, sizes, flops=flops)
@@ -438,10 +441,14 @@ def main():
                     help="comma list of sections: check,dense,sweep,decode,grouped,grouped_sweep (decode runs only "
                          "when named)")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run: interpret mode, tiny shapes")
+    ap.add_argument("--tokens", default=None,
+                    help="comma list of token counts for the grouped section (default 4096,256; decode: 1,8,32)")
     ap.add_argument("--log", default=None)
     args = ap.parse_args()
     INTERPRET = args.interpret
     SHAPES = TINY if INTERPRET else FULL
+    if args.tokens:
+        SHAPES = dataclasses.replace(SHAPES, tokens=tuple(int(t) for t in args.tokens.split(",")))
     if INTERPRET:  # the CPU takes no algorithm for FP8 dots; the Mosaic kernel has its own interpreter tests
         del DOT_ALGORITHMS[1:]
         MOSAIC = False

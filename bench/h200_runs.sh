@@ -67,10 +67,11 @@ for what in "$@"; do
           long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 $dense; done ;;
     long_dsa_profile) long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 --profile /tmp/prof_long ;;
     fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
-        --log "$OUT/fp8_$(echo "${FP8_ONLY:-main}" | tr , _).log" ${FP8_SWEEP:-} 2>&1 | grep -v Warning | tail -40 ;;
-    fp8_sweep) FP8_ONLY=sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
-    fp8_decode) FP8_ONLY=check,decode bash "$0" fp8 ;;  # the dense linears at 1 / 32 rows, K split 1..16 ways
-    fp8_gsweep) FP8_ONLY=grouped_sweep FP8_SWEEP=--sweep bash "$0" fp8 ;;
+        --log "$OUT/fp8_$(echo "${FP8_ONLY:-main}" | tr , _).log" ${FP8_ARGS:-} 2>&1 | grep -v Warning | tail -40 ;;
+    fp8_sweep) FP8_ONLY=sweep FP8_ARGS=--sweep bash "$0" fp8 ;;
+    fp8_decode) FP8_TIMEOUT=${FP8_TIMEOUT:-500} FP8_ONLY=check,decode,grouped FP8_ARGS="--tokens 1,8,32" bash "$0" fp8 ;;  # decode's FP8 GEMMs:
+        # the dense linears at 1 / 32 rows (K split 1..16 ways), the experts at 1 / 8 / 32 tokens (Triton and Mosaic)
+    fp8_gsweep) FP8_ONLY=grouped_sweep FP8_ARGS=--sweep bash "$0" fp8 ;;
     fp8_engine) for run in "pallas --fp8-block" "mosaic --fp8-block" "pallas"; do  # the FP8 GPU paths (Triton's
           set -- $run  # block kernels, then the Mosaic GPU ones) in the engine, against bf16
           echo "--- block kernel $1 ${2:-(bf16 weights)}"
