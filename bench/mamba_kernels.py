@@ -1,6 +1,7 @@
 """Mamba2 kernels on the GPU: Pallas kernel vs XLA reference, side by side, with achieved bandwidth.
 
-    PYTHONPATH=. python bench/mamba_kernels.py [--check] [--tune] [--tune-seg] [--tune-span] [--quick] [--kernels K,..] [--out DIR]
+    PYTHONPATH=. python bench/mamba_kernels.py [--check] [--tune] [--tune-seg] [--tune-span] [--quick]
+                                               [--kernels K,..] [--out DIR]
 
 --check    runs the correctness checks on the GPU first (compiled kernels vs XLA references, fp32 and bf16, awkward
            shapes, idle/padding slots bit-identical; the segmented scan too).

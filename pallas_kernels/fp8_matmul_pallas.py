@@ -28,9 +28,9 @@ K step, the even and the odd channels, whose sum is the block's product (x and w
 
 Dense: grid (N tiles, M tiles, K splits), the M tile fastest, so the programs running at once share few weight tiles
 and read the activations (the smaller operand) through L2; with `split_k` > 1 each split of the K blocks writes a
-float32 partial sum and XLA adds them (for a few rows against a weight of few column tiles). Grouped (MoE): the work items of `grouped_matmul.make_schedule`
-(expert, row tile, row range) on a grid (N tiles, items), each program storing only its item's rows; tail items
-store zeros, padding items nothing.
+float32 partial sum and XLA adds them (for a few rows against a weight of few column tiles). Grouped (MoE): the work
+items of `grouped_matmul.make_schedule` (expert, row tile, row range) on a grid (N tiles, items), each program
+storing only its item's rows; tail items store zeros, padding items nothing.
 """
 
 from __future__ import annotations

@@ -428,7 +428,8 @@ def test_auto_runs_the_reference_on_cpu(monkeypatch):
 
 def test_kernels_lower_to_triton_at_deepseek_shapes(cuda_lowering):
     """The Pallas-to-Triton lowering (run here without a GPU) takes e4m3 dots, the masked and partial edges, the
-    gathered column scales and K split over programs (loop bounds from the program id). That Triton then compiles them is the GPU test's and bench/fp8_kernels.py --check's."""
+    gathered column scales and K split over programs (loop bounds from the program id). That Triton then compiles
+    them is the GPU test's and bench/fp8_kernels.py --check's."""
     S, f8 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn
     for M, K, N, options in [(4096, 7168, 18432, {}), (16, 7168, 576, {}), (300, 1536, 576, dict(block_n=256)),
                              (7, 200, 130, {}), (1, 7168, 576, dict(split_k=8))]:
