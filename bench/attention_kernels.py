@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmodels.benchmark_floors import COPY_BANDWIDTH  # the H200's device-to-device copy rate
 from kernel_report import ROWS, open_log, say, section, timeit
 from pallas_kernels.paged_attention import (DEFAULT_BLOCK_K, default_block_q, default_num_splits,
                                             paged_attention_pallas, paged_attention_reference)
 
-HBM_BPS = 4.25e12
 PAGE_SIZE = 16
 SHAPES = {"nano9b": dict(heads=40, kv_heads=8, head_dim=128), "nano30b": dict(heads=32, kv_heads=2, head_dim=128)}
 # CPU smoke shapes: R = 5 (padded to 8) as in Nano-9B, tiny contexts.
@@ -159,7 +159,7 @@ def bench(shape_name, variants):
     say(f"{'case':<40} {'tiles':<36} {'kernel':>11} {'reference':>11} {'speedup':>8} {'floor':>10} {'% floor':>8}")
     for name, chunks in cases(shape_name):
         q, k, v, kw, real, kv_rows = make_case(jax.random.key(len(chunks)), chunks, **sh)
-        floor = 2 * kv_rows * sh["kv_heads"] * sh["head_dim"] * k.dtype.itemsize / HBM_BPS
+        floor = 2 * kv_rows * sh["kv_heads"] * sh["head_dim"] * k.dtype.itemsize / COPY_BANDWIDTH
         try:
             f_ref, args = reference(q, k, v, kw)
             t_ref = timeit(f_ref, *args)

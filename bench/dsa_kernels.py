@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxmodels.benchmark_floors import BF16_PEAK, COPY_BANDWIDTH  # the H200's measured ceilings
 from kernel_report import ROWS, open_log, say, section, timeit
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas, grouped_matmul_reference
 from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, indexer_topk_pallas,
@@ -31,8 +32,6 @@ from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_refer
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention_pallas, sparse_mla_attention_reference
 from pallas_kernels.topk_select import GROUP, masked_keys_and_group_max, select_topk_pallas
 
-HBM_BPS = 4.25e12
-MXU_FLOPS = 810e12
 CTXS = [8192, 32768, 131072]
 INDEXER_KINDS = ["decode", "prefill"]
 MLA_BATCHES = [1, 32, 128]
@@ -220,7 +219,7 @@ def bench_select(quick):
     t_torch = torch_topk_seconds(x, k)
     if t_torch is not None:
         say(f"  torch.topk {T}x{N} k={k}: {t_torch * 1e3:.3f} ms; lax.top_k {t_ref * 1e3:.3f} ms")
-    floor = T * N * 4 / HBM_BPS
+    floor = T * N * 4 / COPY_BANDWIDTH
     vs_torch = (lambda t: f"ref = lax.top_k; torch x{t_torch / t:.2f}") if t_torch else (lambda t: "ref = lax.top_k")
     for opts in ([OLD_SELECT, dict()] if quick else SELECT_VARIANTS):
         f = jax.jit(lambda x, l: select_topk_pallas(x, l, k, **opts))
@@ -292,7 +291,7 @@ def bench_indexer(quick):
             k_seq = k_seq[0] if kind == "prefill" else k_seq
             t_r = timeit(jax.jit(lambda q, w, ks: xla_indexer(q, w, ks, lens, k)), q, w, k_seq)
             bytes_ = keys_read * D * 2 + T * Hi * D * 2 + T * k * 4
-            floor = max(bytes_ / HBM_BPS, flops / MXU_FLOPS)
+            floor = max(bytes_ / COPY_BANDWIDTH, flops / BF16_PEAK)
             for opts in indexer_variants(kind, T, ctx, quick):
                 f = jax.jit(lambda q, w, kc: indexer_topk_pallas(q, w, kc, topk=k, **kw, **opts))
                 old = "OLD " if opts is OLD_INDEXER else ""
@@ -300,7 +299,7 @@ def bench_indexer(quick):
                     "ref = XLA logits + lax.top_k")
             if kind == "decode" and T > 1:  # the engine's index-key cache is FP8
                 k8, sc = quantize_index_k_fp8(k_cache)
-                floor8 = max((keys_read * (D + 4) + T * Hi * D * 2 + T * k * 4) / HBM_BPS, flops / MXU_FLOPS)
+                floor8 = max((keys_read * (D + 4) + T * Hi * D * 2 + T * k * 4) / COPY_BANDWIDTH, flops / BF16_PEAK)
                 for opts in [dict()] + ([] if quick else [dict(logits_options=dict(tiles_per_program=8))]):
                     f8 = jax.jit(lambda q, w, kc, s: indexer_topk_pallas(q, w, kc, k_scale=s, topk=k, **kw, **opts))
                     row(f"indexer fp8  {kind} T={T} ctx={ctx} {label(opts)}", timeit(f8, q, w, k8, sc), t_r, floor8,
@@ -336,8 +335,8 @@ def bench_sparse_mla(quick):
         idx = jax.random.randint(jax.random.key(B + 1), (B, k), 0, rows).astype(jnp.int32)
         idx = jnp.where(jnp.arange(k) < listed, idx, -1)
         t_r = timeit(jax.jit(lambda q, c, i: sparse_mla_attention_reference(q, c, i, scale=0.04)), q, cache, idx)
-        floor = (B * listed * 576 * 2 + B * H * 576 * 2 + B * H * 512 * 2 + B * k * 4) / HBM_BPS
-        flop_floor = 2 * B * H * listed * (576 + 512) / MXU_FLOPS
+        floor = (B * listed * 576 * 2 + B * H * 576 * 2 + B * H * 512 * 2 + B * k * 4) / COPY_BANDWIDTH
+        flop_floor = 2 * B * H * listed * (576 + 512) / BF16_PEAK
         for opts in mla_variants(B, listed, quick):
             f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
             old = "OLD " if opts is OLD_MLA else ""
@@ -354,7 +353,7 @@ def bench_sparse_mla_prefill(quick):
     T = 2048
     q = jax.random.normal(jax.random.key(T), (T, H, 576)).astype(jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(T + 1), (T, k), 0, rows).astype(jnp.int32)
-    floor = 2 * T * H * k * (576 + 512) / 810e12
+    floor = 2 * T * H * k * (576 + 512) / BF16_PEAK
     variants = [dict()] if quick else [  # dict() = the defaults for a prefill chunk (PREFILL_TILES)
         dict(), dict(block_k=32, num_stages=1), dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
         dict(block_k=128, num_stages=2), dict(block_h=64, block_k=64, num_stages=3)]
@@ -379,7 +378,7 @@ def bench_gmm(quick):
             x = jax.random.normal(jax.random.key(tokens), (M, K)).astype(jnp.bfloat16)
             sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
             flops = 2 * M * K * N
-            floor = max(flops / MXU_FLOPS, (E * K * N + M * K + M * N) * 2 / HBM_BPS)  # weights read once
+            floor = max(flops / BF16_PEAK, (E * K * N + M * K + M * N) * 2 / COPY_BANDWIDTH)  # weights read once
             # XLA's ragged_dot materialises an [E, M, K] operand: 448 GiB at 16k tokens (out of memory on the
             # H200), so it is timed at 2k tokens only.
             t_r = timeit(jax.jit(grouped_matmul_reference), x, w, sizes, target_s=0.05) if tokens <= 2048 \
@@ -401,7 +400,7 @@ def bench_gmm(quick):
             x = jax.random.normal(jax.random.key(tokens), (M, K)).astype(jnp.bfloat16)
             sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
             touched = int(jnp.sum(sizes > 0))
-            floor = (touched * K * N + M * K + M * N) * 2 / HBM_BPS
+            floor = (touched * K * N + M * K + M * N) * 2 / COPY_BANDWIDTH
             t_r = timeit(jax.jit(grouped_matmul_reference), x, w, sizes)
             variants = [dict()] if quick else [dict(block_m=128), dict(), dict(block_m=32), dict(block_n=128),
                                                dict(block_n=128, num_warps=4)]

@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from dsa_kernels import routed_sizes
+from jaxmodels.benchmark_floors import COPY_BANDWIDTH  # the H200's device-to-device copy rate
 from kernel_report import ROWS, open_log, say, section, timeit
 from pallas_kernels.fp8_matmul import (_mosaic_kernels_available, fp8_grouped_matmul, fp8_matmul, fp8_matmul_xla_fp8,
                                        quantize_activations, quantize_static, quantize_weight)
@@ -321,7 +322,6 @@ def sweep():
 
 # ------------------------------------------------------------------------------------------------- decode
 SPLITS = (1, 2, 4, 8, 16)  # split_k options of the block kernel at decode's few rows
-HBM_BYTES_PER_S = 4.25e12  # this H200's device-to-device copy rate
 
 
 @section
@@ -333,7 +333,7 @@ def decode():
     for name, K, N in SHAPES.decode_linears:
         w8, w_scale = random_fp8_weight(jax.random.key(K + N), (N, K))
         w_kn = jax.random.normal(jax.random.key(N), (K, N), jnp.bfloat16)
-        floor = (N * K + w_scale.size * 4) / HBM_BYTES_PER_S
+        floor = (N * K + w_scale.size * 4) / COPY_BANDWIDTH
         for M in SHAPES.decode_rows:
             flops = 2 * M * K * N
             x = random_activations(jax.random.key(M), M, K)
@@ -370,7 +370,7 @@ def grouped():
             label = f"{name} E={E} K={K} N={N} tokens={tokens} (M={M})"
             routed = int(np.count_nonzero(np.asarray(sizes)))
             say(f"\n  {label}: {routed} experts routed, their FP8 weight-read floor "
-                f"{routed * N * K / HBM_BYTES_PER_S * 1e3:.4f} ms")
+                f"{routed * N * K / COPY_BANDWIDTH * 1e3:.4f} ms")
             bf16 = time_row(f"bf16 grouped_matmul block_m={default_block_m(M, E)}",
                             jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, interpret=INTERPRET)),
                             x, w_bf16, sizes, flops=flops)

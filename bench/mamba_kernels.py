@@ -33,13 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmodels.benchmark_floors import COPY_BANDWIDTH  # the H200's device-to-device copy rate
 from pallas_kernels._dispatch import next_pow2
 from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
 from pallas_kernels.mamba_ssd_pallas import ssd_chunk_scan_pallas
 from pallas_kernels.mamba_state_update import ssd_state_update
 
-COPY_CEILING = 4.25e12  # bytes/s, device-to-device copy on this H200 (read + written)
 SHAPES = {"nano9b": dict(H=128, P=80, N=128, G=8), "nano30b": dict(H=64, P=64, N=128, G=8)}
 CHUNK, K = 128, 4
 # mamba_ssm Triton on this H200, from issue 5 (bf16, fp32 final states, CUDA-graph replay, autotuned per size).
@@ -557,7 +557,7 @@ def add_row(rows, kernel, shape, size, res, nbytes, ref_us):
     rows.append(row)
     fmt = lambda v, f: "-" if v is None else format(v, f)
     log(f"| {kernel} | {shape} | {size} | {fmt(row['pallas_us'], '.0f')} | {fmt(row['xla_us'], '.0f')} | "
-        f"{fmt(row['speedup'], '.1f')}x | {fmt(row['tbps'], '.2f')} ({fmt(row['tbps'] and row['tbps'] * 1e12 / COPY_CEILING * 100, '.0f')}%) | "
+        f"{fmt(row['speedup'], '.1f')}x | {fmt(row['tbps'], '.2f')} ({fmt(row['tbps'] and row['tbps'] * 1e12 / COPY_BANDWIDTH * 100, '.0f')}%) | "
         f"{fmt(ref_us, '.0f')} |")
 
 

@@ -81,8 +81,6 @@ def reports_memory(devices=None) -> bool:
     return all("bytes_limit" in (device.memory_stats() or {}) for device in _addressable(devices))
 
 
-
-
 def free_device_memory(devices=None) -> int:
     """Bytes the allocator can still hand out on the most used device (the one that runs out first)."""
     free = []
