@@ -170,9 +170,9 @@ def _checked_options(block, rows, experts, options, interpret, *, dense=False):
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"unknown FP8 kernel options {sorted(unknown)}")
-    tiles = {**default_tiles(rows, experts), "byte_pairs": None, "split_k": 1,
+    tiles = {**default_tiles(rows, experts), "byte_pairs": None, **({"split_k": 1} if dense else {}),
              **{k: v for k, v in options.items() if v is not None}}
-    if tiles["split_k"] < 1:
+    if tiles.get("split_k", 1) < 1:
         raise ValueError(f"split_k must be >= 1, got {tiles['split_k']}")
     if not interpret and (problem := pallas_problem(block, tiles["block_m"], tiles["block_n"])):
         raise ValueError(problem)
