@@ -135,22 +135,23 @@ MOSAIC_CHECKS = [{}, dict(cluster=2)]
 DOT_ALGORITHMS = [None, lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM]
 
 
-def time_row(label, f, *args, flops, baseline=None, target_s=0.15):
-    """Times f(*args), prints one row (ms, TFLOP/s, speed-up over `baseline`'s seconds) and returns the seconds."""
-    t = timeit(f, *args, target_s=target_s)
+def time_row(label, f, *args, flops, baseline=None, target_s=0.15, calls=1):
+    """Times f(*args), prints one row (ms, TFLOP/s, speed-up over `baseline`'s seconds) and returns the seconds;
+    per call of the op when f runs it `calls` times (`in_one_graph`)."""
+    t = timeit(f, *args, target_s=target_s) / calls
     speedup = f"  x{baseline / t:5.2f} of bf16" if baseline else ""
     say(f"  {label:<58} {t * 1e3:9.3f} ms {flops / t / 1e12:8.1f} TFLOP/s{speedup}")
     return t
 
 
-def time_tiles(variants, kernel_with, args, *, flops, baseline=None):
+def time_tiles(variants, kernel_with, args, *, flops, baseline=None, calls=1):
     """Times `kernel_with(options)(*args)` for each tile options dict, one row each; (seconds, options) of the
     fastest, or None when none compiled."""
     timings = []
     for options in variants:
         try:
             timings.append((time_row(f"{options}", kernel_with(options), *args, flops=flops, baseline=baseline,
-                                     target_s=0.08), options))
+                                     target_s=0.08, calls=calls), options))
         except Exception as e:  # noqa: BLE001 (a tile Triton cannot compile: report it, keep sweeping)
             say(f"  {options}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     return min(timings, key=lambda pair: pair[0]) if timings else None
@@ -190,7 +191,8 @@ def check():
         want = jax.jit(lambda a, b: fp8_matmul(a, b, scale, block=None, input_scale=input_scale, impl="xla"))(x, w8)
         report_check(f"per-tensor xla_fp8 M={M} K={K} N={N}", relative_max_error(got, want))
         x8 = quantize_static(x, input_scale)
-        for algorithm in DOT_ALGORITHMS[1:]:  # the e4m3 dot's accumulation, for the record (not a check)
+        for algorithm in DOT_ALGORITHMS[1:] if M > 1 else ():  # the e4m3 dot's accumulation, for the record (not a
+            # check; one row is a vector-matrix dot, which XLA compiles with no FP8 algorithm: fp8_matmul pads it)
             dot = jax.jit(lambda a, b, p=algorithm: lax.dot_general(a, b, TN, precision=p,
                                                                     preferred_element_type=jnp.float32))
             say(f"    e4m3 dot {getattr(algorithm, 'name', 'default')}: max err / max |ref| "
@@ -324,34 +326,52 @@ def sweep():
 SPLITS = (1, 2, 4, 8, 16)  # split_k options of the block kernel at decode's few rows
 
 
+# A decode-sized GEMM (tens of µs) timed call by call measures the host's dispatch, about 40 µs a call on the H200
+# (2026-12-01: every split of every decode linear 40-60 µs, bf16 too); so decode's rows run the op over several
+# operand sets in one executable, with weights that together overflow the 50 MB L2 as a decode step's layers do.
+IN_GRAPH_BYTES = 256 << 20
+
+
+def in_one_graph(op):
+    """f(shared, per_call) runs op(*shared, *per_call[i]) for every i in one executable."""
+    return jax.jit(lambda shared, per_call: [op(*shared, *a) for a in per_call])
+
+
+def copies_for(nbytes: int) -> int:
+    return 1 if INTERPRET else int(min(max(IN_GRAPH_BYTES // nbytes, 2), 64))
+
+
 @section
 def decode():
     """The dense FP8 linears of a DeepSeek-V3.2 decode step at a few rows (where `auto` runs the Triton block
     kernel): K split over 1..16 programs per output tile against bf16 `jnp.dot` and the FP8 weight-read floor. At
-    one row the kernel reads each weight once, so the floor is N x K bytes (plus scales) at the HBM rate."""
+    one row the kernel reads each weight once, so the floor is N x K bytes (plus scales) at the HBM rate. Each row
+    is the time per call over `copies_for` weight copies in one executable (`in_one_graph`)."""
     splits = SPLITS if not INTERPRET else (1, 2)
     for name, K, N in SHAPES.decode_linears:
-        w8, w_scale = random_fp8_weight(jax.random.key(K + N), (N, K))
-        w_kn = jax.random.normal(jax.random.key(N), (K, N), jnp.bfloat16)
-        floor = (N * K + w_scale.size * 4) / COPY_BANDWIDTH
+        copies = copies_for(N * K)
+        weights = [random_fp8_weight(jax.random.key(K + N + i), (N, K)) for i in range(copies)]
+        bf16_weights = [(jax.random.normal(jax.random.key(N + i), (K, N), jnp.bfloat16),) for i in range(copies)]
+        floor = (N * K + weights[0][1].size * 4) / COPY_BANDWIDTH
         for M in SHAPES.decode_rows:
             flops = 2 * M * K * N
             x = random_activations(jax.random.key(M), M, K)
             say(f"\n  {name} M={M} K={K} N={N}: FP8 weight-read floor {floor * 1e3:.4f} ms "
-                f"(default tiles {default_tiles(M)})")
-            bf16 = time_row("bf16 jnp.dot x @ w[K,N]", jax.jit(jnp.dot), x, w_kn, flops=flops)
+                f"(default tiles {default_tiles(M)}; {copies} weight copies in one graph)")
+            bf16 = time_row("bf16 jnp.dot x @ w[K,N]", in_one_graph(jnp.dot), (x,), bf16_weights, flops=flops,
+                            calls=copies)
             x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
             suggested = suggested_split_k(M, N, K, BLOCK)
             say(f"  suggested_split_k: {suggested}")
-            fastest = time_tiles([dict(split_k=k) for k in sorted({*splits, suggested})], lambda o: jax.jit(
-                lambda a, s, b, c: fp8_block_matmul(a, s, b, c, block=BLOCK, out_dtype=jnp.bfloat16,
-                                                    interpret=INTERPRET, **o)),
-                (x8, x_scale, w8, w_scale), flops=flops, baseline=bf16)
+            fastest = time_tiles([dict(split_k=k) for k in sorted({*splits, suggested})],
+                                 lambda o: in_one_graph(lambda a, s, b, c: fp8_block_matmul(
+                                     a, s, b, c, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET, **o)),
+                                 ((x8, x_scale), weights), flops=flops, baseline=bf16, calls=copies)
             if fastest:
                 t, best = fastest
                 ROWS.append(f"decode {name} M={M} K={K} N={N}: best {best} {t * 1e3:.4f} ms = x{bf16 / t:.2f} bf16, "
                             f"{floor / t:.0%} of the FP8 weight-read floor")
-        del w8, w_scale, w_kn
+        del weights, bf16_weights
 
 
 # ------------------------------------------------------------------------------------------------- grouped
@@ -366,30 +386,33 @@ def grouped():
             M = tokens * topk
             flops = 2 * M * K * N
             x = random_activations(jax.random.key(tokens), M, K)
-            sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
+            # decode's few tokens: several routings in one executable (`in_one_graph`), each its own experts
+            routings = [(routed_sizes(jax.random.key(tokens + 1 + i), tokens, E, topk),)
+                        for i in range(16 if tokens <= 64 and not INTERPRET else 1)]
             label = f"{name} E={E} K={K} N={N} tokens={tokens} (M={M})"
-            routed = int(np.count_nonzero(np.asarray(sizes)))
-            say(f"\n  {label}: {routed} experts routed, their FP8 weight-read floor "
-                f"{routed * N * K / COPY_BANDWIDTH * 1e3:.4f} ms")
-            bf16 = time_row(f"bf16 grouped_matmul block_m={default_block_m(M, E)}",
-                            jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, interpret=INTERPRET)),
-                            x, w_bf16, sizes, flops=flops)
-            time_row(f"fp8_grouped_matmul block pallas (quantize + kernel) {default_tiles(M, E)}",
-                     jax.jit(lambda a, b, c, d: fp8_grouped_matmul(a, b, c, d, block=BLOCK, impl="pallas",
-                                                                   interpret=INTERPRET)),
-                     x, w8, w_scale, sizes, flops=flops, baseline=bf16)
+            routed = np.mean([np.count_nonzero(np.asarray(sizes)) for sizes, in routings])
+            say(f"\n  {label}: {routed:.1f} experts routed, their FP8 weight-read floor "
+                f"{routed * N * K / COPY_BANDWIDTH * 1e3:.4f} ms ({len(routings)} routings in one graph)")
+            timed = functools.partial(time_row, flops=flops, calls=len(routings))
+            bf16 = timed(f"bf16 grouped_matmul block_m={default_block_m(M, E)}",
+                         in_one_graph(lambda a, b, c: grouped_matmul_pallas(a, b, c, interpret=INTERPRET)),
+                         (x, w_bf16), routings)
+            timed(f"fp8_grouped_matmul block pallas (quantize + kernel) {default_tiles(M, E)}",
+                  in_one_graph(lambda a, b, c, d: fp8_grouped_matmul(a, b, c, d, block=BLOCK, impl="pallas",
+                                                                     interpret=INTERPRET)),
+                  (x, w8, w_scale), routings, baseline=bf16)
             x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
-            t = time_row("fp8_block_grouped_matmul kernel only",
-                         jax.jit(lambda a, s, b, c, d: fp8_block_grouped_matmul(
-                             a, s, b, c, d, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET)),
-                         x8, x_scale, w8, w_scale, sizes, flops=flops, baseline=bf16)
+            t = timed("fp8_block_grouped_matmul kernel only",
+                      in_one_graph(lambda a, s, b, c, d: fp8_block_grouped_matmul(
+                          a, s, b, c, d, block=BLOCK, out_dtype=jnp.bfloat16, interpret=INTERPRET)),
+                      (x8, x_scale, w8, w_scale), routings, baseline=bf16)
             ROWS.append(f"grouped {label}: FP8 kernel {flops / t / 1e12:.0f} TFLOP/s = x{bf16 / t:.2f} bf16 "
                         f"grouped_matmul ({flops / bf16 / 1e12:.0f} TFLOP/s)")
             if MOSAIC:
                 try:
-                    t = time_row("fp8_block_grouped_matmul_mosaic kernel only (+ row gather)",
-                                 jax.jit(lambda a, s, b, c, d: fp8_block_grouped_matmul_mosaic(a, s, b, c, d)),
-                                 x8, x_scale, w8, w_scale, sizes, flops=flops, baseline=bf16)
+                    t = timed("fp8_block_grouped_matmul_mosaic kernel only (+ row gather)",
+                              in_one_graph(fp8_block_grouped_matmul_mosaic), (x8, x_scale, w8, w_scale), routings,
+                              baseline=bf16)
                     ROWS.append(f"grouped {label}: Mosaic FP8 kernel x{bf16 / t:.2f} bf16 grouped_matmul")
                 except Exception as e:  # noqa: BLE001 (report it, keep going)
                     say(f"  mosaic grouped: {type(e).__name__}: {str(e).splitlines()[0][:160]}")

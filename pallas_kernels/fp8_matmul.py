@@ -232,11 +232,18 @@ def fp8_dot_algorithm():
 
 
 def fp8_matmul_xla_fp8(x, w, w_scale, *, input_scale):
-    """Per-tensor FP8 in one XLA dot of e4m3 operands (w[N, K] contracted on K as it is stored), float32 out."""
+    """Per-tensor FP8 in one XLA dot of e4m3 operands (w[N, K] contracted on K as it is stored), float32 out.
+
+    One row (a decode step at one sequence) is padded to two: XLA's GPU simplifier turns a vector-matrix dot into a
+    multiply and a reduction, which knows no FP8 algorithm, and the compile fails ("Unsupported dot precision
+    algorithm", H200, jax 0.11.2, 2026-12-01); cuBLASLt takes two rows."""
+    rows = x.shape[0]
     x8 = quantize_static(x, input_scale)
+    if rows == 1 and on_gpu():
+        x8 = jnp.pad(x8, ((0, 1), (0, 0)))
     out = lax.dot_general(x8, w, (((1,), (1,)), ((), ())), precision=fp8_dot_algorithm(),
                           preferred_element_type=jnp.float32)
-    return (out * (input_scale * w_scale)).astype(x.dtype)
+    return (out[:rows] * (input_scale * w_scale)).astype(x.dtype)
 
 
 def _unverified_auto(impl: str, interpret: bool) -> str:

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import (MAX_BYTE_ELEMENTS, as_byte_pairs, first_problem, needs_byte_pairs,
+from ._dispatch import (MAX_BYTE_ELEMENTS, as_byte_pairs, first_problem, needs_byte_pairs, next_pow2,
                         pow2_tile_problem, split_byte_pairs)
 from .grouped_matmul import default_block_m, make_schedule
 
@@ -69,13 +69,31 @@ def default_tiles(rows: int, experts: int = 1) -> dict:
     return dict(block_m=block_m, block_n=64, num_warps=4, num_stages=4)
 
 
+_SMS = 132  # the H200's streaming multiprocessors: the split default is tuned there
+
+# At most this many K blocks per split when the output tiles leave SMs idle: o_proj (K = 16384, 128 blocks) and the
+# dense MLP's down projection (144 blocks) at one row ran fastest in 4 splits, 1.5x the one split (H200, 2026-12-01).
+_MAX_K_BLOCKS_PER_SPLIT = 36
+
+
+def _split_for(programs: int, k_steps: int, sms: int) -> int:
+    """The dense kernel's default `split_k` for a grid of `programs` output tiles over `k_steps` K blocks: 1 when the
+    tiles give two programs per SM; else enough splits for that, or for at most _MAX_K_BLOCKS_PER_SPLIT blocks per
+    split if more, as a power of two (uneven splits measured slower), each split walking at least 4 K blocks (what
+    the 4-stage load pipeline overlaps). Measured on the H200 for DeepSeek-V3.2's decode linears at 1 and 32 rows
+    (`bench/fp8_kernels.py --only decode`): kv_a (N = 576) 19 -> 12 µs, o_proj 52 -> 34, q_a 19 -> 12; q_b (768
+    column tiles) stays at one split."""
+    if programs >= 2 * sms:
+        return 1
+    want = next_pow2(max(-(-2 * sms // programs), -(-k_steps // _MAX_K_BLOCKS_PER_SPLIT)))
+    cap = max(1, k_steps // 4)
+    return max(1, min(want, 1 << (cap.bit_length() - 1)))
+
+
 def suggested_split_k(rows: int, N: int, K: int, block: tuple[int, int], sms: int = 132) -> int:
-    """A split of the K blocks for the dense kernel with `default_tiles(rows)` (a candidate default, to be measured
-    against `bench/fp8_kernels.py --only decode`): enough programs for two per SM, each split still walking at least
-    4 K blocks (what the 4-stage load pipeline overlaps); 1 when the output tiles alone give that many programs."""
+    """The dense kernel's default `split_k` with `default_tiles(rows)` (`_split_for`)."""
     tiles = default_tiles(rows)
-    programs = -(-N // tiles["block_n"]) * -(-rows // tiles["block_m"])
-    return max(1, min(-(-K // block[1]) // 4, -(-2 * sms // programs)))
+    return _split_for(-(-N // tiles["block_n"]) * -(-rows // tiles["block_m"]), -(-K // block[1]), sms)
 
 
 def pallas_problem(block: tuple[int, int], block_m: int | None = None, block_n: int | None = None) -> str | None:
@@ -165,14 +183,14 @@ def _grouped_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, xs_ref, w_r
 
 def _checked_options(block, rows, experts, options, interpret, *, dense=False):
     """The tile options (defaults from `default_tiles`, overridden by `options`), checked for Triton. `split_k`
-    (the dense kernel's only) defaults to 1."""
+    (the dense kernel's only) is None unless given: `_split_for` the grid."""
     known = {"block_m", "block_n", "num_warps", "num_stages", "byte_pairs"} | ({"split_k"} if dense else set())
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"unknown FP8 kernel options {sorted(unknown)}")
-    tiles = {**default_tiles(rows, experts), "byte_pairs": None, **({"split_k": 1} if dense else {}),
+    tiles = {**default_tiles(rows, experts), "byte_pairs": None, **({"split_k": None} if dense else {}),
              **{k: v for k, v in options.items() if v is not None}}
-    if tiles.get("split_k", 1) < 1:
+    if (tiles.get("split_k") or 1) < 1:
         raise ValueError(f"split_k must be >= 1, got {tiles['split_k']}")
     if not interpret and (problem := pallas_problem(block, tiles["block_m"], tiles["block_n"])):
         raise ValueError(problem)
@@ -204,8 +222,8 @@ def fp8_block_matmul(x8, x_scale, w8, w_scale, *, block: tuple[int, int], out_dt
                      **options):
     """x8[M, K] @ w8[N, K]ᵀ with block scales (x_scale[M, ⌈K/bk⌉], w_scale[⌈N/bn⌉, ⌈K/bk⌉]) -> out_dtype[M, N].
     `options`: block_m, block_n, num_warps, num_stages (None or absent: `default_tiles`), byte_pairs (None or
-    absent: when an operand needs them), split_k (default 1): the K blocks split over that many programs per output
-    tile (at most one split per K block), whose float32 partial sums are added afterwards. For a few
+    absent: when an operand needs them), split_k (None or absent: `_split_for` the grid): the K blocks split over that
+    many programs per output tile (at most one split per K block), whose float32 partial sums are added afterwards. For a few
     rows against a narrow or long weight (DeepSeek's kv_a: N = 576, K = 7168, 18 column tiles of 32) one split
     leaves most SMs idle; more splits give them work for one extra float32 [splits, M, N] round trip."""
     _check_operands(x8, x_scale, w8[None], w_scale[None], block)
@@ -215,7 +233,8 @@ def fp8_block_matmul(x8, x_scale, w8, w_scale, *, block: tuple[int, int], out_dt
     tiles = _checked_options(block, M, 1, options, interpret, dense=True)
     block_m, block_n = tiles["block_m"], tiles["block_n"]
     k_steps = pl.cdiv(K, block[1])
-    per_split = pl.cdiv(k_steps, min(tiles["split_k"], k_steps))
+    split_k = tiles["split_k"] or _split_for(pl.cdiv(N, block_n) * pl.cdiv(M, block_m), k_steps, _SMS)
+    per_split = pl.cdiv(k_steps, min(split_k, k_steps))
     splits = pl.cdiv(k_steps, per_split)  # none empty
     x_in, w_in, byte_pairs = _paired_operands(x8, w8[None], tiles["byte_pairs"])
     kernel = functools.partial(_dense_kernel, M=M, N=N, K=K, block=block, block_m=block_m, block_n=block_n,

@@ -283,14 +283,19 @@ def test_block_kernel_equals_the_reference(M, K, N, options):
 
 
 @pytest.mark.parametrize("rows, N, K", [(1, 576, 7168), (1, 1536, 7168), (1, 24576, 1536), (32, 7168, 16384),
-                                        (1, 128, 256)])
-def test_suggested_split_k_fills_the_sms_with_splits_of_four_k_blocks_or_more(rows, N, K):
+                                        (1, 7168, 18432), (1, 128, 256), (4096, 18432, 7168)])
+def test_suggested_split_k_fills_the_sms_with_splits_of_four_to_36_k_blocks(rows, N, K):
     split = suggested_split_k(rows, N, K, BLOCK, sms=132)
     tiles = default_tiles(rows)
     programs = -(-N // tiles["block_n"]) * -(-rows // tiles["block_m"])
-    assert split >= 1 and (split == 1 or K // 128 // split >= 4)
-    assert (split == 1) == (programs >= 264 or K // 128 < 8)  # two programs per SM from the tiles alone, or K short
-    assert programs * split >= 264 or split == max(1, K // 128 // 4)
+    k_blocks = -(-K // 128)
+    cap = 1 << (max(1, k_blocks // 4).bit_length() - 1)  # the most power-of-two splits of 4 K blocks or more
+    assert split & (split - 1) == 0 and split <= cap
+    assert (split == 1) == (programs >= 264 or cap == 1)  # two programs per SM from the tiles alone, or K short
+    if split > 1:  # enough programs for two per SM and at most 36 K blocks per split, unless capped
+        assert (programs * split >= 264 and k_blocks <= 36 * split) or split == cap
+        half = split // 2  # and no more than that: half the splits miss one of the two
+        assert programs * half < 264 or k_blocks > 36 * half
 
 
 def test_block_kernel_with_pow2_scales_and_bf16_activations():
@@ -472,8 +477,11 @@ def test_compiled_kernels_on_gpu(block, byte_pairs):
                                                 split_k=split_k))(*operands)
             want = fp8_matmul(*operands, block=BLOCK, impl="xla")
             assert_within_summation_bound(got, want, summation_bound(*operands, BLOCK, tensor_cores=True))
-    else:  # per-tensor dense: cuBLASLt's e4m3 GEMM (impl xla_fp8), float32 accumulation asked for
-        operands = (x, w8[2], w_scale[2])
-        got = jax.jit(lambda *a: fp8_matmul(*a, block=None, input_scale=input_scale[2], impl="xla_fp8"))(*operands)
-        want = fp8_matmul(*operands, block=None, input_scale=input_scale[2], impl="xla")
-        assert_within_summation_bound(got, want, summation_bound(*operands, None, input_scale[2], tensor_cores=True))
+    else:  # per-tensor dense: cuBLASLt's e4m3 GEMM (impl xla_fp8), float32 accumulation asked for; one row too
+        for rows in (M, 1, 2):  # (a decode step at one sequence, which XLA would make a vector-matrix product)
+            operands = (x[:rows], w8[2], w_scale[2])
+            got = jax.jit(lambda *a: fp8_matmul(*a, block=None, input_scale=input_scale[2], impl="xla_fp8"))(
+                *operands)
+            want = fp8_matmul(*operands, block=None, input_scale=input_scale[2], impl="xla")
+            assert_within_summation_bound(got, want, summation_bound(*operands, None, input_scale[2],
+                                                                     tensor_cores=True))
