@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,6 +28,8 @@ for what in "$@"; do
         --json "$OUT/spec.json" 2>&1 | grep -v Warning | tail -30 ;;
     spec_profile) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 32 --ks 1 \
         --tokens 16 --profile /tmp/prof_spec 2>&1 | grep -v Warning | tail -80 ;;
+    scan_tune) timeout 400 python3 bench/mamba_kernels.py --tune --kernels scan --out "$OUT/scan_tune" 2>&1 \
+        | grep "^tune\|^| ssd" | tail -30 ;;  # the scan's defaults at 1 and 16 sequences, prefetch on and off
     scan_seg) python3 bench/mamba_kernels.py --check --kernels scan_seg --out "$OUT" 2>&1 | tail -30 ;;
     scan_span) timeout 400 python3 bench/mamba_kernels.py --tune-span --kernels scan_seg --out "$OUT/scan_span" 2>&1 \
         | grep "best\|^| scan" | tail -20 ;;  # Nano-9B's one-span scan tiles at 8k / 32k (issue 14's last scan gap)
@@ -69,8 +71,10 @@ for what in "$@"; do
     fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
         --log "$OUT/fp8_$(echo "${FP8_ONLY:-main}" | tr , _).log" ${FP8_ARGS:-} 2>&1 | grep -v Warning | tail -40 ;;
     fp8_sweep) FP8_ONLY=sweep FP8_ARGS=--sweep bash "$0" fp8 ;;
-    fp8_decode) FP8_TIMEOUT=${FP8_TIMEOUT:-500} FP8_ONLY=check,decode,grouped FP8_ARGS="--tokens 1,8,32" bash "$0" fp8 ;;  # decode's FP8 GEMMs:
-        # the dense linears at 1 / 32 rows (K split 1..16 ways), the experts at 1 / 8 / 32 tokens (Triton and Mosaic)
+    # decode's FP8 GEMMs, timed in one graph (check + decode took 210 s on 2026-12-01, the experts' rows 170 s+):
+    # the dense linears at 1 / 32 rows (K split 1..16 ways), the experts at 1 / 8 / 32 tokens (Triton and Mosaic)
+    fp8_decode) FP8_TIMEOUT=${FP8_TIMEOUT:-300} FP8_ONLY=decode bash "$0" fp8 ;;
+    fp8_moe_decode) FP8_TIMEOUT=${FP8_TIMEOUT:-300} FP8_ONLY=grouped FP8_ARGS="--tokens 1,8,32" bash "$0" fp8 ;;
     fp8_gsweep) FP8_ONLY=grouped_sweep FP8_ARGS=--sweep bash "$0" fp8 ;;
     fp8_engine) for run in "pallas --fp8-block" "mosaic --fp8-block" "pallas"; do  # the FP8 GPU paths (Triton's
           set -- $run  # block kernels, then the Mosaic GPU ones) in the engine, against bf16

@@ -315,7 +315,9 @@ def tune(rows):
     # First run (2026-11-30): block_p 32/64/128 x warps 4/8 x block_t 64/128 at stages 2 -> `_default_block_p`,
     # 4 warps, block_t 64. These variants probe the pipelining depth and a shorter block around that default.
     # Second run: block_t 32 beat 64 everywhere (stages 1/3 and 2 warps did not help) -> default block_t 32.
-    variants = [dict(), dict(block_t=16), dict(num_stages=3)]
+    # Third (2026-12-01, --tune-span): prefetch took Nano-9B's one sequence from 823 to 805 µs -> on by default for one
+    # sequence on one span; prefetch on and off here tell whether it pays for 16 sequences too.
+    variants = [dict(), dict(prefetch=False), dict(prefetch=True), dict(block_t=16), dict(num_stages=3)]
     key = jax.random.PRNGKey(2)
     for name, sh in SHAPES.items():
         for S in (1, 16):

@@ -252,8 +252,8 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     `_segmented_block_p` when segmented, else `_default_block_p`; `state_block_t`, the block length of the segment
     state kernel (no [BT, BT] products there, so longer blocks cost little), to 64 or the largest power of two that
     divides the segment length; `prefetch` (the next block's loads issued before this block's arithmetic) to on for
-    one span per sequence (H200, Nano-9B, one sequence: 823 -> 805 µs at T = 8192, 3223 -> 3154 at 32768) and off
-    when segmented (its option search kept it off)."""
+    one sequence on one span, where it was measured (H200, Nano-9B: 823 -> 805 µs at T = 8192, 3223 -> 3154 at
+    32768), off for several sequences (not measured yet) and when segmented (its option search kept it off)."""
     T, H, P = x.shape
     S = cu_seqlens.shape[0] - 1
     if block_t is None:
@@ -263,7 +263,7 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     if block_p is None:
         block_p = _segmented_block_p(P) if segment_len else _default_block_p(H, P, S)
     if prefetch is None:
-        prefetch = not segment_len
+        prefetch = S == 1 and not segment_len
     _check_block("block_t", block_t)
     if segment_len % block_t:
         raise ValueError(f"segment_len must be 0 or a multiple of block_t ({block_t}), got {segment_len}")
