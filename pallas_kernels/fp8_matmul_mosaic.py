@@ -71,13 +71,12 @@ def row_multiple(tile_m: int = 64, cluster: int = 1) -> int:
 
 
 def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16, tile_m: int = 64,
-                            steps_in_flight: int = 4, group_items: int = 16, release_early: bool = False,
+                            steps_in_flight: int = 4, group_items: int = 16, overlap_promotion: bool = False,
                             cluster: int = 1, num_programs: int | None = None, interpret: bool = False):
     """See the module docstring. Output tiles are [2 * tile_m, 128], each consumer warpgroup computing
     [tile_m, 128] of it; `steps_in_flight` K steps are loaded ahead; `group_items` row tiles are swept together
-    (each column tile of w is read once per group; see `_work_tile`). `release_early` hands each K step's shared
-    memory back to the producer once its wgmma is done rather than after the promotion (measured on the H200: no
-    gain). `cluster=2` runs clusters of two CTAs on pairs of row tiles, w's tiles multicast to both (see the module
+    (each column tile of w is read once per group; see `_work_tile`). `overlap_promotion` promotes each K step's
+    product while the next step's wgmma runs (see `_scaled_gemm`). `cluster=2` runs clusters of two CTAs on pairs of row tiles, w's tiles multicast to both (see the module
     docstring). `num_programs` CTAs (default: one per SM) run the persistent loop, `cluster` at a time."""
     M, N = x8.shape[0], w8.shape[0]
     cta_m, rows = 2 * tile_m, row_multiple(tile_m, cluster)
@@ -87,14 +86,14 @@ def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16,
     tiles = jnp.arange(M // cta_m, dtype=jnp.int32)
     out = _scaled_gemm(x8, x_scale, w8[None], w_scale[None], jnp.zeros_like(tiles), tiles, out_dtype=out_dtype,
                        tile_m=tile_m, steps_in_flight=steps_in_flight, group_items=group_items,
-                       release_early=release_early, cluster=cluster, num_programs=num_programs,
+                       overlap_promotion=overlap_promotion, cluster=cluster, num_programs=num_programs,
                        interpret=interpret)
     return out.reshape(M, N)  # item i is row tile i
 
 
 def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, out_dtype=jnp.bfloat16,
                                     tile_m: int = 64, steps_in_flight: int = 4, group_items: int = 16,
-                                    release_early: bool = False, cluster: int = 1,
+                                    overlap_promotion: bool = False, cluster: int = 1,
                                     num_programs: int | None = None, interpret: bool = False):
     """Rows x8[M, K] sorted by expert (`grouped_matmul`'s layout), row r times w8[g(r)]ᵀ (w8[E, N, K]) with block
     scales -> [M, N]; rows past sum(group_sizes) are zeros.
@@ -118,7 +117,7 @@ def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, ou
     pad = -M % cta_m
     blocks = _scaled_gemm(jnp.pad(x8, ((0, pad), (0, 0))), jnp.pad(x_scale, ((0, pad), (0, 0))), w8, w_scale,
                           expert, tile, out_dtype=out_dtype, tile_m=tile_m, steps_in_flight=steps_in_flight,
-                          group_items=group_items, release_early=release_early, cluster=1,
+                          group_items=group_items, overlap_promotion=overlap_promotion, cluster=1,
                           num_programs=num_programs, interpret=interpret)
     # The item of each row: items cover the rows in order, so it is the count of used items ending at or before it.
     used = expert >= 0
@@ -165,7 +164,7 @@ def _cta_item(unit, cluster: int):
 
 
 def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype, tile_m, steps_in_flight,
-                 group_items, release_early, cluster, num_programs, interpret):
+                 group_items, overlap_promotion, cluster, num_programs, interpret):
     """blocks[i] = x8[row tile item_tile[i]] @ w8[item_expert[i]]ᵀ with the block scales, float32 promotion per K
     step -> [items, 2 * tile_m, N]; items that are not routed (`_is_routed`) are skipped (their block is left as
     is). Those come last in `grouped_matmul.make_schedule` (the tail past the routed rows, then padding), so the
@@ -175,7 +174,16 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
 
     The loop's work units are runs of `cluster` consecutive items (`_cta_item`), each CTA of a cluster on one of
     them, and `group_items` counts items: a group of `group_items // cluster` units keeps as many rows in L2. A unit
-    is routed when its first item is (with clusters every item is: only the dense kernel takes them)."""
+    is routed when its first item is (with clusters every item is: only the dense kernel takes them).
+
+    `overlap_promotion`: each consumer issues K step k's wgmma, then promotes step k - 1's product (held in
+    registers from the step before) while the tensor cores run it, and only then waits for it. Without it the two run
+    back to back in each consumer: 64 rows x 128 columns of multiply-adds per step against ~500 cycles of its
+    wgmma, and the tensor cores idle during the promotion unless the other consumer's wgmma fills the gap (the
+    suspected limit at 1.07 ms, x1.46 of bf16, once the multicast showed L2 was not). The held product costs 64
+    more registers a thread (192 of float32 values across total, held product and the wgmma's accumulator), within
+    the ~236 that the consumers get once the producer drops to 40 (`memory_registers`). Earlier, handing each step's
+    shared memory back before the promotion (`release_early`) measured no gain twice (H200, 2026-12-01) and went."""
     if cluster not in CLUSTER_SIZES:
         raise ValueError(f"cluster={cluster}: the kernel takes clusters of {CLUSTER_SIZES} CTAs")
     items = item_expert.shape[0]
@@ -199,7 +207,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
     def pipeline(step, context):
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(k_iters,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=steps_in_flight, compute_context=context, manual_consumed_barriers=release_early,
+            max_concurrent_steps=steps_in_flight, compute_context=context,
             in_specs=[
                 plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
                 # With clusters, both CTAs load the same w tile (same column tile, same expert): multicast.
@@ -234,31 +242,32 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                 rows = pl.ds(wg * tile_m, tile_m)
                 columns = pl.ds(n_idx * BLOCK, BLOCK)
 
-                def step(indices, x_smem, w_smem, xs_smem, ws_smem, *rest):
-                    *consumed, total = rest  # the slot's barriers, with release_early
+                def promote(total, part, scales):
+                    return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
+
+                def step(indices, x_smem, w_smem, xs_smem, ws_smem, carry):
+                    total, *held = carry if overlap_promotion else (carry,)  # held: the last step's product, scales
 
                     def product(acc):
                         plgpu.wgmma(acc, x_smem.at[rows], w_smem.transpose((1, 0)))
-                        return acc[...]
+                        promoted = promote(total, *held) if held else total  # while the wgmma runs
+                        return promoted, acc[...]  # reading the accumulator waits for the wgmma
 
-                    def scale():
-                        # The column tile is one scale block of w: its scale is a scalar, folded into the row
-                        # scales, so the promotion is one multiply-add per element.
-                        row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                        return row_scale * ws_smem[0, 0]
-
-                    if release_early:  # the scales read, the slot goes back as soon as the product is done
-                        scales = scale()
-                        part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
-                        for barrier in consumed:
-                            plgpu.barrier_arrive(barrier)
-                    else:
-                        part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
-                        scales = scale()
-                    return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
+                    total, part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
+                    # The column tile is one scale block of w: its scale is a scalar, folded into the row scales, so
+                    # the promotion is one multiply-add per element.
+                    row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                    scales = row_scale * ws_smem[0, 0]
+                    return (total, part, scales) if overlap_promotion else promote(total, part, scales)
 
                 def context(run):
-                    total = run(plgpu.layout_cast(jnp.zeros((tile_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA))
+                    zeros = plgpu.layout_cast(jnp.zeros((tile_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
+                    if overlap_promotion:  # nothing held before the first step: zeros times zero scales
+                        no_scales = plgpu.layout_cast(jnp.zeros((tile_m,), jnp.float32),
+                                                      plgpu.Layout.WGMMA.reduce(1))
+                        total = promote(*run((zeros, zeros, no_scales)))
+                    else:
+                        total = run(zeros)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
                     out_smem[wg] = total.astype(out_dtype)
                     plgpu.commit_smem()
