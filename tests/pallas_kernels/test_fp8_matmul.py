@@ -264,6 +264,7 @@ KERNEL_SHAPES = [  # M, K, N, tile options
     (20, 320, 192, dict(block_m=16, block_n=64, split_k=2)),
     (3, 384, 130, dict(split_k=8)),
     (20, 320, 192, dict(block_m=16, block_n=64, byte_pairs=True, split_k=2)),
+    (3, 1024, 192, {}),  # few output tiles over 8 K blocks: split in two by default (`_split_for`)
 ]
 
 
