@@ -250,10 +250,15 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
 
                     def product(acc):
                         plgpu.wgmma(acc, x_smem.at[rows], w_smem.transpose((1, 0)))
-                        promoted = promote(total, *held) if held else total  # while the wgmma runs
-                        return promoted, acc[...]  # reading the accumulator waits for the wgmma
+                        if not held:
+                            return acc[...]  # reading the accumulator waits for the wgmma
+                        promoted = promote(total, *held)  # while the wgmma runs
+                        return promoted, acc[...]
 
-                    total, part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
+                    if overlap_promotion:
+                        total, part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
+                    else:
+                        part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
                     # The column tile is one scale block of w: its scale is a scalar, folded into the row scales, so
                     # the promotion is one multiply-add per element.
                     row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
