@@ -26,7 +26,10 @@ Sections:
     `grouped_matmul` on the same shapes.
 FLOP/s count 2·M·N·K; speed-ups are over the bf16 row of the same shape. Random operands are made on the device.
 Times: `kernel_report.timeit` (back-to-back calls, median of rounds), short rounds so that the whole run, compilation
-included, stays within 4 minutes on one H200. The last line is the headline.
+included, stays within 4 minutes on one H200; decode-sized rows (the decode section, the grouped section at 64
+tokens or fewer) per call of one executable that runs the op over several weight copies or routings
+(`in_one_graph`), since a call that small timed on its own measures the host's dispatch. The last line is the
+headline.
 """
 
 from __future__ import annotations
