@@ -222,10 +222,11 @@ def fp8_block_matmul(x8, x_scale, w8, w_scale, *, block: tuple[int, int], out_dt
                      **options):
     """x8[M, K] @ w8[N, K]ᵀ with block scales (x_scale[M, ⌈K/bk⌉], w_scale[⌈N/bn⌉, ⌈K/bk⌉]) -> out_dtype[M, N].
     `options`: block_m, block_n, num_warps, num_stages (None or absent: `default_tiles`), byte_pairs (None or
-    absent: when an operand needs them), split_k (None or absent: `_split_for` the grid): the K blocks split over that
-    many programs per output tile (at most one split per K block), whose float32 partial sums are added afterwards. For a few
-    rows against a narrow or long weight (DeepSeek's kv_a: N = 576, K = 7168, 18 column tiles of 32) one split
-    leaves most SMs idle; more splits give them work for one extra float32 [splits, M, N] round trip."""
+    absent: when an operand needs them), split_k (None or absent: `_split_for` the grid): the K blocks split over
+    that many programs per output tile (at most one split per K block), whose float32 partial sums are added
+    afterwards. For a few rows against a narrow or long weight (DeepSeek's kv_a: N = 576, K = 7168, 18 column tiles
+    of 32) one split leaves most SMs idle; more splits give them work for one extra float32 [splits, M, N] round
+    trip."""
     _check_operands(x8, x_scale, w8[None], w_scale[None], block)
     (M, K), N = x8.shape, w8.shape[0]
     if M == 0:
