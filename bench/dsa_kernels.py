@@ -8,7 +8,9 @@ floor (bytes at 4.25 TB/s or FLOPs at 810 TFLOP/s, the H200 ceilings measured in
 Rows marked OLD run the kernels with the options that reproduce their pre-issue-14 algorithm (OLD_SELECT,
 OLD_INDEXER, OLD_MLA); `{}` rows run the defaults.
 
-Times: jitted call issued `n` times back to back then one block_until_ready, divided by n; median of 5 rounds.
+Times: jitted call issued `n` times back to back then one block_until_ready, divided by n; median of 5 rounds. Rows
+whose floor is under DISPATCH_BOUND_S (one query: the host's dispatch of a call would be what they time) run the op
+over several operand sets in one executable and report the time per op (`timed`, `sets_for`).
 Prints one table per section; the last line is the headline.
 """
 
@@ -25,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from jaxmodels.benchmark_floors import BF16_PEAK, COPY_BANDWIDTH  # the H200's measured ceilings
-from kernel_report import ROWS, open_log, say, section, timeit
+from kernel_report import DISPATCH_BOUND_S, ROWS, copies_for, in_one_graph, open_log, say, section, timeit
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas, grouped_matmul_reference
 from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, indexer_topk_pallas,
                                          quantize_index_k_fp8, topk_reference)
@@ -267,15 +269,27 @@ def indexer_variants(kind, T, ctx, quick):
     return [dict(), OLD_INDEXER] + extra
 
 
+def timed(op, shared, per_call):
+    """Seconds per op(*shared, *per_call[i]), all of them in one executable (`kernel_report.in_one_graph`)."""
+    return timeit(in_one_graph(op), shared, per_call) / len(per_call)
+
+
+def sets_for(floor_s: float, nbytes: int) -> int:
+    """Operand sets a row runs in one executable: one unless the op is short enough for the host's dispatch of a
+    call to hide it (DISPATCH_BOUND_S), then enough to overflow L2, at most 16 (each one compiles a kernel call)."""
+    return copies_for(nbytes, cap=16) if floor_s < DISPATCH_BOUND_S else 1
+
+
 @section
 def bench_indexer(quick):
+    """Decode rows with too little work for a call on its own (one query) run over several sequences' pages in one
+    executable (`sets_for`), each call its own sequences."""
     k, Hi, D = 2048, 64, 128
     cases = [(kind, T) for kind, T in [("decode", 1), ("decode", 16), ("decode", 32), ("prefill", 2048)]
              if kind in INDEXER_KINDS]
     for ctx in CTXS:
         for kind, T in cases:
             S = T if kind == "decode" else 1
-            q, w, k_cache, pt = paged_problem(jax.random.key(ctx + T), T, S, ctx)
             if kind == "decode":
                 seq = jnp.arange(T, dtype=jnp.int32)
                 lens = jnp.full((T,), ctx, jnp.int32)
@@ -286,24 +300,31 @@ def bench_indexer(quick):
                 lens = (ctx - T + 1 + jnp.arange(T)).astype(jnp.int32)  # the last 2k-token chunk of the context
                 keys_read = ctx
                 flops = 2 * Hi * D * int(lens.sum())
-            kw = dict(kv_lens=lens, page_table=pt, seq_ids=seq)
-            k_seq = k_cache[pt].reshape(S, ctx, D)
-            k_seq = k_seq[0] if kind == "prefill" else k_seq
-            t_r = timeit(jax.jit(lambda q, w, ks: xla_indexer(q, w, ks, lens, k)), q, w, k_seq)
             bytes_ = keys_read * D * 2 + T * Hi * D * 2 + T * k * 4
             floor = max(bytes_ / COPY_BANDWIDTH, flops / BF16_PEAK)
+            sets = sets_for(floor, bytes_)
+            q, w, k_cache, pt_all = paged_problem(jax.random.key(ctx + T), T, S * sets, ctx)
+            tables = [(pt_all[i * S:(i + 1) * S],) for i in range(sets)]
+            kw = dict(kv_lens=lens, seq_ids=seq)
+            k_seqs = [(k_cache[pt].reshape(S, ctx, D)[0] if kind == "prefill" else k_cache[pt].reshape(S, ctx, D),)
+                      for pt, in tables]
+            say(f"  indexer {kind} T={T} ctx={ctx}: {sets} call(s) per executable")
+            t_r = timed(lambda q, w, ks: xla_indexer(q, w, ks, lens, k), (q, w), k_seqs)
+            del k_seqs
             for opts in indexer_variants(kind, T, ctx, quick):
-                f = jax.jit(lambda q, w, kc: indexer_topk_pallas(q, w, kc, topk=k, **kw, **opts))
+                f = functools.partial(indexer_topk_pallas, topk=k, **kw, **opts)
                 old = "OLD " if opts is OLD_INDEXER else ""
-                row(f"indexer bf16 {kind} T={T} ctx={ctx} {old}{label(opts)}", timeit(f, q, w, k_cache), t_r, floor,
+                row(f"indexer bf16 {kind} T={T} ctx={ctx} {old}{label(opts)}",
+                    timed(lambda q, w, kc, pt: f(q, w, kc, page_table=pt), (q, w, k_cache), tables), t_r, floor,
                     "ref = XLA logits + lax.top_k")
             if kind == "decode" and T > 1:  # the engine's index-key cache is FP8
                 k8, sc = quantize_index_k_fp8(k_cache)
                 floor8 = max((keys_read * (D + 4) + T * Hi * D * 2 + T * k * 4) / COPY_BANDWIDTH, flops / BF16_PEAK)
                 for opts in [dict()] + ([] if quick else [dict(logits_options=dict(tiles_per_program=8))]):
-                    f8 = jax.jit(lambda q, w, kc, s: indexer_topk_pallas(q, w, kc, k_scale=s, topk=k, **kw, **opts))
-                    row(f"indexer fp8  {kind} T={T} ctx={ctx} {label(opts)}", timeit(f8, q, w, k8, sc), t_r, floor8,
-                        "ref = XLA bf16")
+                    f8 = functools.partial(indexer_topk_pallas, topk=k, **kw, **opts)
+                    row(f"indexer fp8  {kind} T={T} ctx={ctx} {label(opts)}",
+                        timed(lambda q, w, kc, s, pt: f8(q, w, kc, k_scale=s, page_table=pt), (q, w, k8, sc), tables),
+                        t_r, floor8, "ref = XLA bf16")
 
 
 def mla_variants(B, listed, quick):
@@ -331,16 +352,22 @@ def bench_sparse_mla(quick):
     # The last case: contexts shorter than k, lists half −1.
     cases = [(B, k) for B in MLA_BATCHES] + [(32, 1024)] * (32 in MLA_BATCHES)
     for B, listed in cases:
-        q = jax.random.normal(jax.random.key(B), (B, H, 576)).astype(jnp.bfloat16)
-        idx = jax.random.randint(jax.random.key(B + 1), (B, k), 0, rows).astype(jnp.int32)
-        idx = jnp.where(jnp.arange(k) < listed, idx, -1)
-        t_r = timeit(jax.jit(lambda q, c, i: sparse_mla_attention_reference(q, c, i, scale=0.04)), q, cache, idx)
-        floor = (B * listed * 576 * 2 + B * H * 576 * 2 + B * H * 512 * 2 + B * k * 4) / COPY_BANDWIDTH
+        bytes_ = B * listed * 576 * 2 + B * H * 576 * 2 + B * H * 512 * 2 + B * k * 4
+        floor = bytes_ / COPY_BANDWIDTH
         flop_floor = 2 * B * H * listed * (576 + 512) / BF16_PEAK
+        sets = sets_for(max(floor, flop_floor), bytes_)  # one query: several queries' lists in one executable
+
+        def problem(i):
+            q = jax.random.normal(jax.random.key(B + 2 * i), (B, H, 576)).astype(jnp.bfloat16)
+            idx = jax.random.randint(jax.random.key(B + 2 * i + 1), (B, k), 0, rows).astype(jnp.int32)
+            return q, jnp.where(jnp.arange(k) < listed, idx, -1)
+
+        problems = [problem(i) for i in range(sets)]
+        say(f"  sparse MLA decode B={B} keys={listed}: {sets} call(s) per executable")
+        t_r = timed(lambda c, q, i: sparse_mla_attention_reference(q, c, i, scale=0.04), (cache,), problems)
         for opts in mla_variants(B, listed, quick):
-            f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
             old = "OLD " if opts is OLD_MLA else ""
-            t_k = timeit(f, q, cache, idx)
+            t_k = timed(lambda c, q, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts), (cache,), problems)
             row(f"sparse MLA decode B={B} keys={listed} {old}{label(opts)}", t_k, t_r, floor,
                 f"FLOP floor {flop_floor * 1e3:.3f} ms = {100 * flop_floor / t_k:.0f}%")
 

@@ -47,7 +47,7 @@ from jax import lax
 
 from dsa_kernels import routed_sizes
 from jaxmodels.benchmark_floors import COPY_BANDWIDTH  # the H200's device-to-device copy rate
-from kernel_report import ROWS, open_log, say, section, timeit
+from kernel_report import ROWS, copies_for, in_one_graph, open_log, say, section, timeit
 from pallas_kernels.fp8_matmul import (_mosaic_kernels_available, fp8_grouped_matmul, fp8_matmul, fp8_matmul_xla_fp8,
                                        quantize_activations, quantize_static, quantize_weight)
 from pallas_kernels.fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic, fp8_block_matmul_mosaic, row_multiple
@@ -330,19 +330,9 @@ def sweep():
 SPLITS = (1, 2, 4, 8, 16)  # split_k options of the block kernel at decode's few rows
 
 
-# A decode-sized GEMM (tens of µs) timed call by call measures the host's dispatch, about 40 µs a call on the H200
-# (2026-12-01: every split of every decode linear 40-60 µs, bf16 too); so decode's rows run the op over several
-# operand sets in one executable, with weights that together overflow the 50 MB L2 as a decode step's layers do.
-IN_GRAPH_BYTES = 256 << 20
-
-
-def in_one_graph(op):
-    """f(shared, per_call) runs op(*shared, *per_call[i]) for every i in one executable."""
-    return jax.jit(lambda shared, per_call: [op(*shared, *a) for a in per_call])
-
-
-def copies_for(nbytes: int) -> int:
-    return 1 if INTERPRET else int(min(max(IN_GRAPH_BYTES // nbytes, 2), 64))
+def weight_copies(nbytes: int) -> int:
+    """`copies_for` on the GPU; one in interpret mode, where nothing timed means anything."""
+    return 1 if INTERPRET else copies_for(nbytes)
 
 
 @section
@@ -350,10 +340,10 @@ def decode():
     """The dense FP8 linears of a DeepSeek-V3.2 decode step at a few rows (where `auto` runs the Triton block
     kernel): K split over 1..16 programs per output tile against bf16 `jnp.dot` and the FP8 weight-read floor. At
     one row the kernel reads each weight once, so the floor is N x K bytes (plus scales) at the HBM rate. Each row
-    is the time per call over `copies_for` weight copies in one executable (`in_one_graph`)."""
+    is the time per call over `weight_copies` weight copies in one executable (`in_one_graph`)."""
     splits = SPLITS if not INTERPRET else (1, 2)
     for name, K, N in SHAPES.decode_linears:
-        copies = copies_for(N * K)
+        copies = weight_copies(N * K)
         weights = [random_fp8_weight(jax.random.key(K + N + i), (N, K)) for i in range(copies)]
         bf16_weights = [(jax.random.normal(jax.random.key(N + i), (K, N), jnp.bfloat16),) for i in range(copies)]
         floor = (N * K + weights[0][1].size * 4) / COPY_BANDWIDTH

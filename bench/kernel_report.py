@@ -43,6 +43,25 @@ def timeit(f, *args, target_s=0.3):
     return float(np.median(rounds))
 
 
+# An op of tens of µs timed call by call measures the host's dispatch of a jitted call, about 40 µs on the H200
+# (2026-12-01: every DeepSeek decode linear 40-60 µs that way, bf16 too, against 7-57 µs in one executable). Such rows
+# run the op over several operand sets in one executable, distinct enough together (IN_GRAPH_BYTES) to overflow the
+# H200's 50 MB L2 as a step's layers do, and report the time per op.
+IN_GRAPH_BYTES = 256 << 20
+DISPATCH_BOUND_S = 50e-6  # a call whose floor is under this is timed in one graph
+
+
+def in_one_graph(op):
+    """f(shared, per_call) runs op(*shared, *per_call[i]) for every i in one executable (time it with `timeit`
+    and divide by len(per_call))."""
+    return jax.jit(lambda shared, per_call: [op(*shared, *a) for a in per_call])
+
+
+def copies_for(nbytes: int, cap: int = 64) -> int:
+    """How many operand sets of `nbytes` each fill IN_GRAPH_BYTES (2 to `cap`)."""
+    return int(min(max(IN_GRAPH_BYTES // max(nbytes, 1), 2), cap))
+
+
 def section(fn):
     @functools.wraps(fn)
     def run(*a, **k):
