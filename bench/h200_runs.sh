@@ -68,7 +68,7 @@ for what in "$@"; do
     long_128k) for dense in "" --dense; do  # sparse against dense at 128k, decode only, in one run
           long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 $dense; done ;;
     long_dsa_profile) long deepseek_v32_4layer --batch 16 --contexts 131072 --serve-up-to 0 --profile /tmp/prof_long ;;
-    fp8) timeout "${FP8_TIMEOUT:-240}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
+    fp8) timeout "${FP8_TIMEOUT:-330}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
         --log "$OUT/fp8_$(echo "${FP8_ONLY:-main}" | tr , _).log" ${FP8_ARGS:-} 2>&1 | grep -v Warning | tail -40 ;;
     fp8_sweep) FP8_ONLY=sweep FP8_ARGS=--sweep bash "$0" fp8 ;;
     # decode's FP8 GEMMs, timed in one graph (check + decode took 210 s on 2026-12-01, the experts' rows 170 s+):
