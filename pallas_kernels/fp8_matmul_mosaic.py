@@ -77,7 +77,8 @@ def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16,
     [tile_m, 128] of it; `steps_in_flight` K steps are loaded ahead; `group_items` row tiles are swept together
     (each column tile of w is read once per group; see `_work_tile`). `overlap_promotion` promotes each K step's
     product while the next step's wgmma runs (see `_scaled_gemm`). `cluster=2` runs clusters of two CTAs on pairs
-    of row tiles, w's tiles multicast to both (see the module docstring). `num_programs` CTAs (default: one per SM) run the persistent loop, `cluster` at a time."""
+    of row tiles, w's tiles multicast to both (see the module docstring). `num_programs` CTAs (default: one per SM)
+    run the persistent loop, `cluster` at a time."""
     M, N = x8.shape[0], w8.shape[0]
     cta_m, rows = 2 * tile_m, row_multiple(tile_m, cluster)
     if M % rows:

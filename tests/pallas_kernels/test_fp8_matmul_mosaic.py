@@ -60,8 +60,8 @@ def operands(M, K, N, seed):
                                                       (256, 512, 256, dict(tile_m=64, overlap_promotion=True), 2),
                                                       (768, 256, 384, dict(tile_m=64, group_items=4, cluster=2), 4),
                                                       (256, 256, 128, dict(tile_m=64, cluster=2), 6),
-                                                      (512, 384, 256, dict(tile_m=64, overlap_promotion=True, cluster=2),
-                                                       2)])
+                                                      (512, 384, 256,
+                                                       dict(tile_m=64, overlap_promotion=True, cluster=2), 2)])
 def test_interpreted_kernel_equals_the_reference(M, K, N, tiles, programs):
     """Several output tiles per program (a persistent loop over fewer programs than tiles) or an idle program, row
     tiles swept in groups (the last one short), each step's promotion overlapped with the next wgmma, several K steps
