@@ -316,8 +316,8 @@ def tune(rows):
     # 4 warps, block_t 64. These variants probe the pipelining depth and a shorter block around that default.
     # Second run: block_t 32 beat 64 everywhere (stages 1/3 and 2 warps did not help) -> default block_t 32.
     # Third (2026-12-01, --tune-span): prefetch took Nano-9B's one sequence from 823 to 805 µs -> on by default for one
-    # sequence on one span; prefetch on and off here tell whether it pays for 16 sequences too.
-    variants = [dict(), dict(prefetch=False), dict(prefetch=True), dict(block_t=16), dict(num_stages=3)]
+    # sequence on one span; prefetch on and off here (one of them the default) tell whether it pays for 16 sequences.
+    variants = [dict(prefetch=False), dict(prefetch=True), dict(block_t=16), dict(num_stages=3)]
     key = jax.random.PRNGKey(2)
     for name, sh in SHAPES.items():
         for S in (1, 16):
@@ -390,9 +390,9 @@ def tune_span(rows, Ts=(8192, 32768), shapes=("nano9b",)):
     for name in shapes:
         H, P, N, G = (SHAPES[name][k] for k in "HPNG")
         for T in Ts:
-            best = dict(segment_len=0, block_p=_default_block_p(H, P, 1), block_t=32, prefetch=False,
+            best = dict(segment_len=0, block_p=_default_block_p(H, P, 1), block_t=32, prefetch=True,
                         num_stages=2, num_warps=4)
-            search = [("block_p", [16, 32, 64, 128]), ("block_t", [16, 32]), ("prefetch", [False, True]),
+            search = [("block_p", [16, 32, 64, 128]), ("block_t", [16, 32]), ("prefetch", [True, False]),
                       ("num_stages", [1, 2, 3]), ("num_warps", [2, 4, 8])]
             coordinate_search(rows, "tune-span", name, T, scan_inputs(key, T, H, P, N, G, 1), best, search)
 

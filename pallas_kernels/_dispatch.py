@@ -41,6 +41,12 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def num_sms() -> int:
+    """The first device's streaming multiprocessors, or the H200's 132 where the device does not say (the CPU):
+    the kernels' grid defaults were tuned there."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
 def resolve_impl(impl: str, interpret: bool = False, unsupported: str | None = None,
                  kernel: str = "kernel") -> str:
     """Return "pallas" or "xla" for a requested `impl`.

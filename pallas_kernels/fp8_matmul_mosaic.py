@@ -43,6 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ._dispatch import num_sms
+
 BLOCK = 128  # the scale block along both N and K; also the K step and the column tile
 # w's block scales are stored SCALE_LANES times each and read 128 bytes at a time: a TMA copy into shared memory
 # needs its destination 128-byte aligned, and the pipeline's buffers of 16-byte copies were not (the H200 reported a
@@ -58,10 +60,6 @@ def _mosaic():
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu
-
-
-def _num_sms() -> int:
-    return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def row_multiple(tile_m: int = 64, cluster: int = 1) -> int:
@@ -251,7 +249,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
 
                     def product(acc):
                         plgpu.wgmma(acc, x_smem.at[rows], w_smem.transpose((1, 0)))
-                        if not held:
+                        if not overlap_promotion:
                             return acc[...]  # reading the accumulator waits for the wgmma
                         promoted = promote(total, *held)  # while the wgmma runs
                         return promoted, acc[...]
@@ -289,7 +287,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
     # The grid counts clusters (a cluster of 1 lowers as no cluster at all).
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((items, cta_m, N), out_dtype),
-        grid=(max(1, (num_programs or _num_sms()) // cluster),), grid_names=("sm",), cluster=(cluster,),
+        grid=(max(1, (num_programs or num_sms()) // cluster),), grid_names=("sm",), cluster=(cluster,),
         cluster_names=(CLUSTER,), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}))

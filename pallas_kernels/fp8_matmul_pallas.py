@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._dispatch import (MAX_BYTE_ELEMENTS, as_byte_pairs, first_problem, needs_byte_pairs, next_pow2,
-                        pow2_tile_problem, split_byte_pairs)
+                        num_sms, pow2_tile_problem, split_byte_pairs)
 from .grouped_matmul import default_block_m, make_schedule
 
 
@@ -69,8 +69,6 @@ def default_tiles(rows: int, experts: int = 1) -> dict:
     return dict(block_m=block_m, block_n=64, num_warps=4, num_stages=4)
 
 
-_SMS = 132  # the H200's streaming multiprocessors: the split default is tuned there
-
 # At most this many K blocks per split when the output tiles leave SMs idle: o_proj (K = 16384, 128 blocks) and the
 # dense MLP's down projection (144 blocks) at one row ran fastest in 4 splits, 1.5x the one split (H200, 2026-12-01).
 _MAX_K_BLOCKS_PER_SPLIT = 36
@@ -87,13 +85,13 @@ def _split_for(programs: int, k_steps: int, sms: int) -> int:
         return 1
     want = next_pow2(max(-(-2 * sms // programs), -(-k_steps // _MAX_K_BLOCKS_PER_SPLIT)))
     cap = max(1, k_steps // 4)
-    return max(1, min(want, 1 << (cap.bit_length() - 1)))
+    return min(want, 1 << (cap.bit_length() - 1))  # both at least 1
 
 
-def suggested_split_k(rows: int, N: int, K: int, block: tuple[int, int], sms: int = 132) -> int:
-    """The dense kernel's default `split_k` with `default_tiles(rows)` (`_split_for`)."""
+def suggested_split_k(rows: int, N: int, K: int, block: tuple[int, int], sms: int | None = None) -> int:
+    """The dense kernel's default `split_k` with `default_tiles(rows)` (`_split_for`; `sms`: `num_sms()`)."""
     tiles = default_tiles(rows)
-    return _split_for(-(-N // tiles["block_n"]) * -(-rows // tiles["block_m"]), -(-K // block[1]), sms)
+    return _split_for(-(-N // tiles["block_n"]) * -(-rows // tiles["block_m"]), -(-K // block[1]), sms or num_sms())
 
 
 def pallas_problem(block: tuple[int, int], block_m: int | None = None, block_n: int | None = None) -> str | None:
@@ -234,7 +232,7 @@ def fp8_block_matmul(x8, x_scale, w8, w_scale, *, block: tuple[int, int], out_dt
     tiles = _checked_options(block, M, 1, options, interpret, dense=True)
     block_m, block_n = tiles["block_m"], tiles["block_n"]
     k_steps = pl.cdiv(K, block[1])
-    split_k = tiles["split_k"] or _split_for(pl.cdiv(N, block_n) * pl.cdiv(M, block_m), k_steps, _SMS)
+    split_k = tiles["split_k"] or _split_for(pl.cdiv(N, block_n) * pl.cdiv(M, block_m), k_steps, num_sms())
     per_split = pl.cdiv(k_steps, min(split_k, k_steps))
     splits = pl.cdiv(k_steps, per_split)  # none empty
     x_in, w_in, byte_pairs = _paired_operands(x8, w8[None], tiles["byte_pairs"])
