@@ -20,6 +20,8 @@ Sections:
     grouped_sweep (--sweep too): the grouped kernel's, at 128 experts (the plain path) and 256 (byte pairs).
   * decode (--only decode): DeepSeek-V3.2's dense linears at 1 and 32 rows, the block kernel with its K split over
     1..16 programs (`split_k`) against bf16 `jnp.dot` and the FP8 weight-read floor.
+  * cublaslt (--only cublaslt): cuBLASLt's own block-scaled GEMM (`fp8_matmul_cublaslt`): checks at the check
+    shapes (float32 and bf16 out, in and out of the CUDA graph), then the dense rows against bf16 and the Mosaic kernel.
   * grouped: DeepSeek's routed experts, E = 256, hidden 7168 <-> moe_intermediate 2048, top-8 of uniformly random
     routing, 4096 and 256 tokens (x8 rows; `--tokens` picks others, e.g. decode's 1,8,32, with the routed experts'
     weight-read floor): the FP8 grouped kernel (with and without quantization) against our bf16
@@ -449,14 +451,71 @@ def grouped_sweep():
         del w8, w_scale, w_bf16
 
 
+@section
+def cublaslt():
+    """cuBLASLt's own block scaling (`fp8_matmul_cublaslt`): checks against the reference (float32 and bf16 out, in
+    and out of the step's CUDA graph), then the dense rows against bf16 and the Mosaic kernel."""
+    from pallas_kernels import fp8_matmul_cublaslt as lt
+
+    def run(x8, x_scale, w8, w_scale, **o):
+        return jax.jit(lambda a, b, c, d: lt.fp8_block_matmul_cublaslt(a, b, c, d, **o))(x8, x_scale, w8, w_scale)
+
+    for M, K, N, _ in SHAPES.checks:
+        if lt.cublaslt_problem(N, K, BLOCK):
+            continue
+        keys = jax.random.split(jax.random.key(M + N), 2)
+        x = random_activations(keys[0], M, K).astype(jnp.float32)
+        w8, w_scale = random_fp8_weight(keys[1], (N, K))
+        want = jax.jit(lambda a, b, c: fp8_matmul(a, b, c, block=BLOCK, impl="xla"))(x, w8, w_scale)
+        x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
+        for o in (dict(out_dtype=jnp.float32), dict(out_dtype=jnp.float32, command_buffer=False),
+                  dict(out_dtype=jnp.bfloat16)):
+            label = f"cuBLASLt block M={M} K={K} N={N} {o}"
+            try:
+                got = run(x8, x_scale, w8, w_scale, **o)
+            except Exception as e:  # noqa: BLE001
+                say(f"  cublaslt: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                report_check(label, float("inf"))
+                continue
+            if o["out_dtype"] == jnp.float32:
+                report_check(label, relative_max_error(got, want))
+            else:  # bf16 rounding of the output: ~4e-3 of the largest
+                error = relative_max_error(got, want)
+                say(f"  check {label}: max err / max |ref| {error:.2e} {'ok' if error < 1e-2 else 'FAILED'}")
+                if error >= 1e-2:
+                    FAILED_CHECKS.append(label)
+    say(f"  callback stages seen: {sorted(lt.STAGES_SEEN)}")
+    K, N = SHAPES.K, SHAPES.N
+    for M in SHAPES.dense_rows:
+        flops = 2 * M * K * N
+        say(f"\n  M={M} K={K} N={N}")
+        x, w8, w_scale = dense_operands(M)
+        w_kn = jax.random.normal(jax.random.key(1), (K, N), jnp.bfloat16)
+        bf16 = time_row(f"bf16 jnp.dot x @ w[K,N] M={M}", jax.jit(jnp.dot), x, w_kn, flops=flops)
+        del w_kn
+        x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
+        for o in (dict(), dict(command_buffer=False)):
+            t = time_row(f"cuBLASLt block kernel only {o} M={M}",
+                         jax.jit(lambda a, s, b, c, o=o: lt.fp8_block_matmul_cublaslt(a, s, b, c, **o)),
+                         x8, x_scale, w8, w_scale, flops=flops, baseline=bf16)
+            if not o:
+                ROWS.append(f"dense M={M}: cuBLASLt block FP8 {flops / t / 1e12:.0f} TFLOP/s = x{bf16 / t:.2f} bf16")
+        time_row(f"cuBLASLt block, quantize + GEMM M={M}",
+                 jax.jit(lambda a, b, c: lt.fp8_block_matmul_cublaslt(*quantize_activations(a, 128), b, c)),
+                 x, w8, w_scale, flops=flops, baseline=bf16)
+        if MOSAIC and M >= 128:
+            time_row(f"Mosaic kernel only (default tiles) M={M}", jax.jit(fp8_block_matmul_mosaic),
+                     x8, x_scale, w8, w_scale, flops=flops, baseline=bf16)
+
+
 def main():
     global SHAPES, INTERPRET, MOSAIC
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="correctness of the compiled kernels first")
     ap.add_argument("--sweep", action="store_true", help="time tile options of the block kernel")
     ap.add_argument("--only", default="",
-                    help="comma list of sections: check,dense,sweep,decode,grouped,grouped_sweep (decode runs only "
-                         "when named)")
+                    help="comma list of sections: check,dense,sweep,decode,cublaslt,grouped,grouped_sweep (decode and "
+                         "cublaslt run only when named)")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run: interpret mode, tiny shapes")
     ap.add_argument("--tokens", default=None,
                     help="comma list of token counts for the grouped section (default 4096,256; decode: 1,8,32)")
@@ -482,6 +541,8 @@ def main():
         sweep()
     if "decode" in only:
         decode()
+    if "cublaslt" in only:
+        cublaslt()
     if want("grouped"):
         grouped()
     if args.sweep and want("grouped_sweep"):

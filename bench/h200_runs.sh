@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -71,6 +71,7 @@ for what in "$@"; do
     fp8) timeout "${FP8_TIMEOUT:-330}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
         --log "$OUT/fp8_$(echo "${FP8_ONLY:-main}" | tr , _).log" ${FP8_ARGS:-} 2>&1 | grep -v Warning | tail -40 ;;
     fp8_sweep) FP8_ONLY=sweep FP8_ARGS=--sweep bash "$0" fp8 ;;
+    fp8_cublaslt) FP8_ONLY=cublaslt bash "$0" fp8 ;;  # cuBLASLt's block-scaled GEMM: checks, dense rows (~70 s)
     # decode's FP8 GEMMs, timed in one graph (check + decode took 210 s on 2026-12-01, the experts' rows 170 s+):
     # the dense linears at 1 / 32 rows (K split 1..16 ways), the experts at 1 / 8 / 32 tokens (Triton and Mosaic)
     fp8_decode) FP8_TIMEOUT=${FP8_TIMEOUT:-300} FP8_ONLY=decode bash "$0" fp8 ;;

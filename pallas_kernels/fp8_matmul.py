@@ -36,6 +36,8 @@ GPU paths (what `impl="auto"` takes there, see GPU_PATHS_VERIFIED):
   * block-scaled (128, 128) with N and K multiples of 128, where jax has Pallas' Mosaic GPU backend (jax >= 0.11):
     `fp8_matmul_mosaic` (`impl="mosaic"`), a warp-specialized wgmma kernel, dense (from MOSAIC_MIN_ROWS rows) and
     grouped, rows padded to its 128-row tile; see BLOCK_KERNEL.
+  * block-scaled (128, 128), dense, from CUBLASLT_MIN_ROWS rows (prefill): cuBLASLt's own block-scaled FP8 GEMM
+    (`fp8_matmul_cublaslt`, `impl="cublaslt"`), called from the step through a `buffer_callback`.
 On CPU `auto` runs the reference, and `interpret=True` runs the Pallas kernels in interpret mode (as the tests do).
 """
 
@@ -52,7 +54,8 @@ from .packing import count_at_or_below, prefix_sum
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 AMAX_FLOOR = 1e-4  # DeepSeek's act_quant clamps a group's amax here
-IMPLS = ("auto", "pallas", "xla", "xla_fp8", "mosaic")  # xla_fp8: per-tensor only; mosaic: block (128, 128) only
+IMPLS = ("auto", "pallas", "xla", "xla_fp8", "mosaic", "cublaslt")  # xla_fp8: per-tensor only; mosaic, cublaslt: block
+# (128, 128) only
 # Whether `auto` takes the GPU paths on a GPU: yes. On the H200 they passed `bench/fp8_kernels.py --check` (block
 # kernels 1e-6..4e-6 of the largest output, the Mosaic ones 1.4e-4..2.6e-4 and the per-tensor cuBLASLt dot 0..1.3e-4,
 # within the FP8 tensor cores' accumulation), the compiled-kernel tests, the engine (`bash bench/h200_runs.sh
@@ -79,6 +82,13 @@ def _mosaic_kernels_available() -> bool:
 # 144 column tiles on 132 SMs) 68 us.
 BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL") or ("mosaic" if _mosaic_kernels_available() else "pallas")
 MOSAIC_MIN_ROWS = 65
+# Dense block-scaled products of at least this many rows run on cuBLASLt's block-scaled GEMM (`fp8_matmul_cublaslt`)
+# where `auto` takes the GPU paths; JAXMODELS_FP8_CUBLASLT=0 keeps them on BLOCK_KERNEL. On the H200 (2026-12-01,
+# `FP8_ONLY=cublaslt bash bench/h200_runs.sh fp8`) at M=4096 K=7168 N=18432: 0.960 ms (x1.64 of bf16's 1.577, the
+# Mosaic kernel 1.087 in the same run). At 128 rows the library took 0.067 ms with the quantization and 0.142 without
+# it (the Mosaic kernel 0.069 without): not understood, so the rows between stay on the kernels.
+CUBLASLT_MIN_ROWS = 1024
+USE_CUBLASLT = os.environ.get("JAXMODELS_FP8_CUBLASLT", "1") != "0"
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
 PER_TENSOR_BLOCK = (128, 128)
 
@@ -255,8 +265,8 @@ def _matmul_impl(impl: str, block, interpret: bool) -> str:
     """"xla", "xla_fp8", "pallas" or "mosaic" for fp8_matmul: `auto` on the GPU takes cuBLASLt's FP8 GEMM for
     per-tensor weights and the Pallas kernel for block-scaled ones (unless the kernel cannot take the block: the
     reference), which `fp8_matmul` may then hand to the Mosaic kernel (`_auto_takes_mosaic`)."""
-    if impl == "mosaic":
-        _check_mosaic_block(block)
+    if impl in ("mosaic", "cublaslt"):
+        _check_mosaic_block(block, impl)
         return impl
     if impl == "xla_fp8":
         if block is not None:
@@ -275,7 +285,9 @@ def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None
     _check_operands(x, w, impl, IMPLS)
     _check_scales(w, w_scale, block, input_scale, stacked=0)
     which = _matmul_impl(impl, block, interpret)
-    if _auto_takes_mosaic(impl, which, block, w.shape, interpret) and x.shape[0] >= MOSAIC_MIN_ROWS:
+    if _auto_takes_cublaslt(impl, which, block, w.shape, interpret) and x.shape[0] >= CUBLASLT_MIN_ROWS:
+        which = "cublaslt"
+    elif _auto_takes_mosaic(impl, which, block, w.shape, interpret) and x.shape[0] >= MOSAIC_MIN_ROWS:
         which = "mosaic"
     if which == "xla":
         return fp8_matmul_reference(x, w, w_scale, block=block, input_scale=input_scale, pow2_scales=pow2_scales)
@@ -283,6 +295,8 @@ def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None
         return fp8_matmul_xla_fp8(x, w, w_scale, input_scale=input_scale)
     if which == "mosaic":
         return _mosaic_matmul(x, w, w_scale, pow2_scales, interpret, **kernel_options)
+    if which == "cublaslt":
+        return _cublaslt_matmul(x, w, w_scale, pow2_scales)
     row_scales = None if block else jnp.broadcast_to(input_scale, x.shape[:1])
     x8, x_scale, w_scale, kernel_block = _kernel_operands(x, w_scale, block, row_scales, pow2_scales, w.shape[0])
     return fp8_block_matmul(x8, x_scale, w, w_scale, block=kernel_block, out_dtype=x.dtype, interpret=interpret,
@@ -295,9 +309,25 @@ def _auto_takes_mosaic(impl: str, choice: str, block, w_shape, interpret: bool) 
             and tuple(block or ()) == (128, 128) and not w_shape[-1] % 128 and not w_shape[-2] % 128)
 
 
-def _check_mosaic_block(block) -> None:
+def _auto_takes_cublaslt(impl: str, choice: str, block, w_shape, interpret: bool) -> bool:
+    """Whether `auto`, having chosen the Pallas block kernel, may run cuBLASLt's block-scaled GEMM instead (from
+    CUBLASLT_MIN_ROWS rows)."""
+    from .fp8_matmul_cublaslt import cublaslt_problem
+
+    return (impl == "auto" and choice == "pallas" and USE_CUBLASLT and not interpret
+            and cublaslt_problem(w_shape[-2], w_shape[-1], block) is None)
+
+
+def _check_mosaic_block(block, impl: str = "mosaic") -> None:
     if tuple(block or ()) != (128, 128):
-        raise ValueError(f"impl='mosaic' takes (128, 128) block-scaled weights, got block {block}")
+        raise ValueError(f"impl={impl!r} takes (128, 128) block-scaled weights, got block {block}")
+
+
+def _cublaslt_matmul(x, w, w_scale, pow2_scales):
+    from .fp8_matmul_cublaslt import fp8_block_matmul_cublaslt
+
+    x8, x_scale = quantize_activations(x, 128, pow2_scales=pow2_scales)
+    return fp8_block_matmul_cublaslt(x8, x_scale, w, w_scale, out_dtype=x.dtype)
 
 
 def _mosaic_matmul(x, w, w_scale, pow2_scales, interpret, **kernel_options):

@@ -251,9 +251,10 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     `segment_len` (0: one span per sequence) defaults to `_default_segment_len`; `block_p` (the head-dim tile) to
     `_segmented_block_p` when segmented, else `_default_block_p`; `state_block_t`, the block length of the segment
     state kernel (no [BT, BT] products there, so longer blocks cost little), to 64 or the largest power of two that
-    divides the segment length; `prefetch` (the next block's loads issued before this block's arithmetic) to on for
-    one sequence on one span, where it was measured (H200, Nano-9B: 823 -> 805 µs at T = 8192, 3223 -> 3154 at
-    32768), off for several sequences (not measured yet) and when segmented (its option search kept it off)."""
+    divides the segment length. `prefetch` (the next block's loads issued before this block's arithmetic) is on by
+    default: on the H200 at T = 8192 it took Nano-9B's one sequence from 823 to 805 µs (one span), its 16
+    sequences from 723 to 716, Nano-30B's one sequence (segmented) from 318 to 285 and its 16 from 228 to 195
+    (`bash bench/h200_runs.sh scan_tune`, 2026-12-01)."""
     T, H, P = x.shape
     S = cu_seqlens.shape[0] - 1
     if block_t is None:
@@ -262,8 +263,6 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
         segment_len = _default_segment_len(T, S, H, P, block_t) if write_states else 0
     if block_p is None:
         block_p = _segmented_block_p(P) if segment_len else _default_block_p(H, P, S)
-    if prefetch is None:
-        prefetch = S == 1 and not segment_len
     _check_block("block_t", block_t)
     if segment_len % block_t:
         raise ValueError(f"segment_len must be 0 or a multiple of block_t ({block_t}), got {segment_len}")
@@ -282,7 +281,7 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
 
 def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initial_states=None,
                           dt_softplus=True, dt_limit=None, interpret=False, block_t=None, block_p=None,
-                          segment_len=None, state_block_t=None, prefetch=None, num_warps=4, num_stages=2):
+                          segment_len=None, state_block_t=None, prefetch=True, num_warps=4, num_stages=2):
     """Kernel entry point of `mamba_ssd.ssd_chunk_scan`; tile options as in `_launch`."""
     return _launch(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                    states=initial_states, pool_index=None, dt_softplus=dt_softplus, dt_limit=dt_limit,
@@ -292,7 +291,7 @@ def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size,
 
 def ssd_chunk_scan_pooled_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
                                  has_initial_state, dt_softplus=True, dt_limit=None, interpret=False, block_t=None,
-                                 block_p=None, segment_len=None, state_block_t=None, prefetch=None, num_warps=4,
+                                 block_p=None, segment_len=None, state_block_t=None, prefetch=True, num_warps=4,
                                  num_stages=2, write_states=True):
     """Kernel entry point of `mamba_ssd.ssd_chunk_scan_pooled`: -> (y, state_pool updated in place, or untouched
     without `write_states`)."""

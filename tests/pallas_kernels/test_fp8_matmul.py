@@ -410,19 +410,46 @@ def test_auto_hands_block_scaled_weights_to_the_mosaic_kernel_per_block_kernel(m
     assert not _auto_takes_mosaic("auto", "pallas", BLOCK, (256, 7168), interpret=False)
 
 
-def test_auto_keeps_few_dense_rows_on_the_triton_kernel(monkeypatch):
+@pytest.mark.parametrize("use_cublaslt", [True, False])
+def test_auto_picks_the_dense_kernel_by_rows(monkeypatch, use_cublaslt):
     """On a GPU with the Mosaic kernels chosen, a dense product of fewer than MOSAIC_MIN_ROWS rows (decode) runs the
-    Triton kernel, from MOSAIC_MIN_ROWS rows on the Mosaic one (kernels replaced by recorders: no GPU here)."""
+    Triton kernel, from MOSAIC_MIN_ROWS rows the Mosaic one, from CUBLASLT_MIN_ROWS (prefill) cuBLASLt's GEMM unless
+    JAXMODELS_FP8_CUBLASLT=0 (kernels replaced by recorders: no GPU here)."""
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
     monkeypatch.setattr(fp8_matmul_module, "GPU_PATHS_VERIFIED", True)
     monkeypatch.setattr(fp8_matmul_module, "BLOCK_KERNEL", "mosaic")
+    monkeypatch.setattr(fp8_matmul_module, "USE_CUBLASLT", use_cublaslt)
     ran = []
     monkeypatch.setattr(fp8_matmul_module, "_mosaic_matmul", lambda x, *a, **k: ran.append("mosaic") or x)
+    monkeypatch.setattr(fp8_matmul_module, "_cublaslt_matmul", lambda x, *a, **k: ran.append("cublaslt") or x)
     monkeypatch.setattr(fp8_matmul_module, "fp8_block_matmul", lambda x8, *a, **k: ran.append("triton") or x8)
     w8, w_scale = random_weight(jax.random.key(0), (256, 256), BLOCK)
-    for rows in [1, fp8_matmul_module.MOSAIC_MIN_ROWS - 1, fp8_matmul_module.MOSAIC_MIN_ROWS, 4096]:
+    mosaic, cublaslt = fp8_matmul_module.MOSAIC_MIN_ROWS, fp8_matmul_module.CUBLASLT_MIN_ROWS
+    for rows in [1, mosaic - 1, mosaic, cublaslt - 1, cublaslt, 4096]:
         fp8_matmul(jnp.ones((rows, 256)), w8, w_scale, block=BLOCK)
-    assert ran == ["triton", "triton", "mosaic", "mosaic"]
+    large = "cublaslt" if use_cublaslt else "mosaic"
+    assert ran == ["triton", "triton", "mosaic", "mosaic", large, large]
+    ran.clear()  # a weight cuBLASLt cannot take (N not a multiple of 16) stays on the kernels
+    w8, w_scale = random_weight(jax.random.key(0), (200, 256), BLOCK)
+    fp8_matmul(jnp.ones((4096, 256)), w8, w_scale, block=BLOCK)
+    assert ran == ["triton"]
+
+
+def test_cublaslt_scale_layouts():
+    """The scales as cuBLASLt reads them: the activations' transposed ([K blocks][rows], rows padded to the row
+    multiple with zeros), the weight's as stored with its K blocks padded to a multiple of 4."""
+    from pallas_kernels.fp8_matmul_cublaslt import cublaslt_problem, laid_out_scales
+
+    x_scale = jnp.arange(5 * 3, dtype=jnp.float32).reshape(5, 3)
+    w_scale = 100 + jnp.arange(2 * 3, dtype=jnp.float32).reshape(2, 3)
+    xs, ws = laid_out_scales(x_scale, w_scale, rows=8)
+    assert xs.shape == (3, 8) and ws.shape == (2, 4)
+    np.testing.assert_array_equal(xs[:, :5], x_scale.T)
+    assert not np.asarray(xs[:, 5:]).any()
+    np.testing.assert_array_equal(ws[:, :3], w_scale)
+    assert cublaslt_problem(576, 7168, BLOCK) is None
+    assert "multiples of 16" in cublaslt_problem(200, 7168, BLOCK)
+    assert "(128, 128)" in cublaslt_problem(256, 256, (128, 64))
 
 
 def test_auto_runs_the_reference_on_cpu(monkeypatch):
@@ -478,6 +505,16 @@ def test_compiled_kernels_on_gpu(block, byte_pairs):
                                                 split_k=split_k))(*operands)
             want = fp8_matmul(*operands, block=BLOCK, impl="xla")
             assert_within_summation_bound(got, want, summation_bound(*operands, BLOCK, tensor_cores=True))
+        for rows, k, dtype in [(M, K, jnp.float32), (1, K, jnp.float32), (7, 256, jnp.bfloat16)]:
+            # cuBLASLt's block-scaled GEMM (rows padded to 4, K blocks of the scales to 4), float32 and bf16 out
+            operands = (x[:rows, :k].astype(dtype), w8[1, :, :k], w_scale[1, :, :k // 128])
+            got = jax.jit(lambda *a: fp8_matmul(*a, block=BLOCK, impl="cublaslt"))(*operands)
+            want = fp8_matmul(*operands, block=BLOCK, impl="xla")
+            if dtype == jnp.float32:
+                assert_within_summation_bound(got, want, summation_bound(*operands, BLOCK, tensor_cores=True))
+            else:  # the output's bf16 rounding on top: 2^-8 of each value
+                np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                           rtol=2 ** -7, atol=2 ** -7 * float(jnp.abs(want.astype(jnp.float32)).max()))
     else:  # per-tensor dense: cuBLASLt's e4m3 GEMM (impl xla_fp8), float32 accumulation asked for; one row too
         for rows in (M, 1, 2):  # (a decode step at one sequence, which XLA would make a vector-matrix product)
             operands = (x[:rows], w8[2], w_scale[2])
