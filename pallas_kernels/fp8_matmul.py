@@ -36,8 +36,8 @@ GPU paths (what `impl="auto"` takes there, see GPU_PATHS_VERIFIED):
   * block-scaled (128, 128) with N and K multiples of 128, where jax has Pallas' Mosaic GPU backend (jax >= 0.11):
     `fp8_matmul_mosaic` (`impl="mosaic"`), a warp-specialized wgmma kernel, dense (from MOSAIC_MIN_ROWS rows) and
     grouped, rows padded to its 128-row tile; see BLOCK_KERNEL.
-  * block-scaled (128, 128), dense, from CUBLASLT_MIN_ROWS rows (prefill): cuBLASLt's own block-scaled FP8 GEMM
-    (`fp8_matmul_cublaslt`, `impl="cublaslt"`), called from the step through a `buffer_callback`.
+  * block-scaled (128, 128), dense, from CUBLASLT_MIN_ROWS rows (prefill), one device: cuBLASLt's own block-scaled
+    FP8 GEMM (`fp8_matmul_cublaslt`, `impl="cublaslt"`), called from the step through a `buffer_callback`.
 On CPU `auto` runs the reference, and `interpret=True` runs the Pallas kernels in interpret mode (as the tests do).
 """
 
@@ -83,7 +83,8 @@ def _mosaic_kernels_available() -> bool:
 BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL") or ("mosaic" if _mosaic_kernels_available() else "pallas")
 MOSAIC_MIN_ROWS = 65
 # Dense block-scaled products of at least this many rows run on cuBLASLt's block-scaled GEMM (`fp8_matmul_cublaslt`)
-# where `auto` takes the GPU paths; JAXMODELS_FP8_CUBLASLT=0 keeps them on BLOCK_KERNEL. On the H200 (2026-12-01,
+# where `auto` takes the GPU paths on a one-device process (`_one_device`); JAXMODELS_FP8_CUBLASLT=0 keeps them on
+# BLOCK_KERNEL. On the H200 (2026-12-01,
 # `FP8_ONLY=cublaslt bash bench/h200_runs.sh fp8`) at M=4096 K=7168 N=18432: 0.960 ms (x1.64 of bf16's 1.577, the
 # Mosaic kernel 1.087 in the same run). At 128 rows the library took 0.067 ms with the quantization and 0.142 without
 # it (the Mosaic kernel 0.069 without): not understood, so the rows between stay on the kernels.
@@ -314,8 +315,14 @@ def _auto_takes_cublaslt(impl: str, choice: str, block, w_shape, interpret: bool
     CUBLASLT_MIN_ROWS rows)."""
     from .fp8_matmul_cublaslt import cublaslt_problem
 
-    return (impl == "auto" and choice == "pallas" and USE_CUBLASLT and not interpret
+    return (impl == "auto" and choice == "pallas" and USE_CUBLASLT and not interpret and _one_device()
             and cublaslt_problem(w_shape[-2], w_shape[-1], block) is None)
+
+
+def _one_device() -> bool:
+    """Whether the process has one device. The callback has no sharding rule, so under a mesh XLA would gather a
+    sharded weight (and the activations) around it on every call: meshes keep the kernels until it has one."""
+    return jax.device_count() == 1
 
 
 def _check_mosaic_block(block, impl: str = "mosaic") -> None:

@@ -414,11 +414,12 @@ def test_auto_hands_block_scaled_weights_to_the_mosaic_kernel_per_block_kernel(m
 def test_auto_picks_the_dense_kernel_by_rows(monkeypatch, use_cublaslt):
     """On a GPU with the Mosaic kernels chosen, a dense product of fewer than MOSAIC_MIN_ROWS rows (decode) runs the
     Triton kernel, from MOSAIC_MIN_ROWS rows the Mosaic one, from CUBLASLT_MIN_ROWS (prefill) cuBLASLt's GEMM unless
-    JAXMODELS_FP8_CUBLASLT=0 (kernels replaced by recorders: no GPU here)."""
+    JAXMODELS_FP8_CUBLASLT=0 or several devices (kernels replaced by recorders: no GPU here)."""
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
     monkeypatch.setattr(fp8_matmul_module, "GPU_PATHS_VERIFIED", True)
     monkeypatch.setattr(fp8_matmul_module, "BLOCK_KERNEL", "mosaic")
     monkeypatch.setattr(fp8_matmul_module, "USE_CUBLASLT", use_cublaslt)
+    monkeypatch.setattr(fp8_matmul_module, "_one_device", lambda: True)
     ran = []
     monkeypatch.setattr(fp8_matmul_module, "_mosaic_matmul", lambda x, *a, **k: ran.append("mosaic") or x)
     monkeypatch.setattr(fp8_matmul_module, "_cublaslt_matmul", lambda x, *a, **k: ran.append("cublaslt") or x)
@@ -430,9 +431,11 @@ def test_auto_picks_the_dense_kernel_by_rows(monkeypatch, use_cublaslt):
     large = "cublaslt" if use_cublaslt else "mosaic"
     assert ran == ["triton", "triton", "mosaic", "mosaic", large, large]
     ran.clear()  # a weight cuBLASLt cannot take (N not a multiple of 16) stays on the kernels
-    w8, w_scale = random_weight(jax.random.key(0), (200, 256), BLOCK)
+    w8_odd, w_scale_odd = random_weight(jax.random.key(0), (200, 256), BLOCK)
+    fp8_matmul(jnp.ones((4096, 256)), w8_odd, w_scale_odd, block=BLOCK)
+    monkeypatch.setattr(fp8_matmul_module, "_one_device", lambda: False)  # so does a mesh (no sharding rule)
     fp8_matmul(jnp.ones((4096, 256)), w8, w_scale, block=BLOCK)
-    assert ran == ["triton"]
+    assert ran == ["triton", "mosaic"]
 
 
 def test_cublaslt_scale_layouts():
