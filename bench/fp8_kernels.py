@@ -268,19 +268,27 @@ def dense_operands(M):
     return x, w8, w_scale
 
 
-@section
-def dense():
+def dense_cases():
+    """(M, FLOPs, x, w8, w_scale, bf16 `jnp.dot` seconds) for each of the dense rows, the bf16 row printed."""
     K, N = SHAPES.K, SHAPES.N
     for M in SHAPES.dense_rows:
         flops = 2 * M * K * N
         say(f"\n  M={M} K={K} N={N}")
         x, w8, w_scale = dense_operands(M)
-        w_nk = jax.random.normal(jax.random.key(1), (N, K), jnp.bfloat16)
-        w_kn = jax.block_until_ready(w_nk.T.copy())
+        w_kn = jax.random.normal(jax.random.key(1), (K, N), jnp.bfloat16)
         bf16 = time_row(f"bf16 jnp.dot x @ w[K,N] M={M}", jax.jit(jnp.dot), x, w_kn, flops=flops)
+        del w_kn
+        yield M, flops, x, w8, w_scale, bf16
+
+
+@section
+def dense():
+    K, N = SHAPES.K, SHAPES.N
+    for M, flops, x, w8, w_scale, bf16 in dense_cases():
+        w_nk = jax.random.normal(jax.random.key(1), (N, K), jnp.bfloat16)
         time_row(f"bf16 dot_general w[N,K] M={M}", jax.jit(lambda a, b: lax.dot_general(a, b, TN)), x, w_nk,
                  flops=flops, baseline=bf16)
-        del w_nk, w_kn
+        del w_nk
         x8 = jnp.clip(x, -448, 448).astype(jnp.float8_e4m3fn)
         for algorithm in DOT_ALGORITHMS:
             time_row(f"XLA e4m3 dot_general TN -> float32 (cuBLASLt) {getattr(algorithm, 'name', 'default')} M={M}",
@@ -485,14 +493,7 @@ def cublaslt():
                 if error >= 1e-2:
                     FAILED_CHECKS.append(label)
     say(f"  callback stages seen: {sorted(lt.STAGES_SEEN)}")
-    K, N = SHAPES.K, SHAPES.N
-    for M in SHAPES.dense_rows:
-        flops = 2 * M * K * N
-        say(f"\n  M={M} K={K} N={N}")
-        x, w8, w_scale = dense_operands(M)
-        w_kn = jax.random.normal(jax.random.key(1), (K, N), jnp.bfloat16)
-        bf16 = time_row(f"bf16 jnp.dot x @ w[K,N] M={M}", jax.jit(jnp.dot), x, w_kn, flops=flops)
-        del w_kn
+    for M, flops, x, w8, w_scale, bf16 in dense_cases():
         x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
         for o in (dict(), dict(command_buffer=False)):
             t = time_row(f"cuBLASLt block kernel only {o} M={M}",
