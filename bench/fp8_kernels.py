@@ -128,13 +128,10 @@ def random_fp8_weight(key, shape):
 
 # The Mosaic GPU kernel (jax >= 0.11, on the GPU only), the tiles it is timed with and the options it is checked
 # with. On the H200 (2026-12-01) 3 steps in flight and clusters of two (w's tiles multicast to pairs of CTAs) were
-# within 2% of the default; overlap_promotion promotes each K step's product during the next step's wgmma.
+# within 2% of the default.
 MOSAIC = _mosaic_kernels_available()
-MOSAIC_TILES = [dict(tile_m=64, steps_in_flight=4), dict(tile_m=64, steps_in_flight=4, cluster=2),
-                dict(tile_m=64, steps_in_flight=4, overlap_promotion=True),
-                dict(tile_m=64, steps_in_flight=3, overlap_promotion=True),
-                dict(tile_m=64, steps_in_flight=4, overlap_promotion=True, cluster=2)]
-MOSAIC_CHECKS = [{}, dict(cluster=2), dict(overlap_promotion=True)]
+MOSAIC_TILES = [dict(tile_m=64, steps_in_flight=4), dict(tile_m=64, steps_in_flight=4, cluster=2)]
+MOSAIC_CHECKS = [{}, dict(cluster=2)]
 
 # The e4m3 dot's algorithm: XLA's default, float32 accumulation (what fp8_matmul_xla_fp8 asks for on the GPU), and
 # cuBLASLt's fast (unpromoted) accumulation.

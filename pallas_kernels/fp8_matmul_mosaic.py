@@ -69,12 +69,11 @@ def row_multiple(tile_m: int = 64, cluster: int = 1) -> int:
 
 
 def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16, tile_m: int = 64,
-                            steps_in_flight: int = 4, group_items: int = 16, overlap_promotion: bool = False,
-                            cluster: int = 1, num_programs: int | None = None, interpret: bool = False):
+                            steps_in_flight: int = 4, group_items: int = 16, cluster: int = 1,
+                            num_programs: int | None = None, interpret: bool = False):
     """See the module docstring. Output tiles are [2 * tile_m, 128], each consumer warpgroup computing
     [tile_m, 128] of it; `steps_in_flight` K steps are loaded ahead; `group_items` row tiles are swept together
-    (each column tile of w is read once per group; see `_work_tile`). `overlap_promotion` promotes each K step's
-    product while the next step's wgmma runs (see `_scaled_gemm`). `cluster=2` runs clusters of two CTAs on pairs
+    (each column tile of w is read once per group; see `_work_tile`). `cluster=2` runs clusters of two CTAs on pairs
     of row tiles, w's tiles multicast to both (see the module docstring). `num_programs` CTAs (default: one per SM)
     run the persistent loop, `cluster` at a time."""
     M, N = x8.shape[0], w8.shape[0]
@@ -84,16 +83,14 @@ def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16,
     _check_scales(x8, x_scale, w8[None], w_scale[None])
     tiles = jnp.arange(M // cta_m, dtype=jnp.int32)
     out = _scaled_gemm(x8, x_scale, w8[None], w_scale[None], jnp.zeros_like(tiles), tiles, out_dtype=out_dtype,
-                       tile_m=tile_m, steps_in_flight=steps_in_flight, group_items=group_items,
-                       overlap_promotion=overlap_promotion, cluster=cluster, num_programs=num_programs,
-                       interpret=interpret)
+                       tile_m=tile_m, steps_in_flight=steps_in_flight, group_items=group_items, cluster=cluster,
+                       num_programs=num_programs, interpret=interpret)
     return out.reshape(M, N)  # item i is row tile i
 
 
 def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, out_dtype=jnp.bfloat16,
                                     tile_m: int = 64, steps_in_flight: int = 4, group_items: int = 16,
-                                    overlap_promotion: bool = False, cluster: int = 1,
-                                    num_programs: int | None = None, interpret: bool = False):
+                                    cluster: int = 1, num_programs: int | None = None, interpret: bool = False):
     """Rows x8[M, K] sorted by expert (`grouped_matmul`'s layout), row r times w8[g(r)]ᵀ (w8[E, N, K]) with block
     scales -> [M, N]; rows past sum(group_sizes) are zeros.
 
@@ -116,8 +113,7 @@ def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, ou
     pad = -M % cta_m
     blocks = _scaled_gemm(jnp.pad(x8, ((0, pad), (0, 0))), jnp.pad(x_scale, ((0, pad), (0, 0))), w8, w_scale,
                           expert, tile, out_dtype=out_dtype, tile_m=tile_m, steps_in_flight=steps_in_flight,
-                          group_items=group_items, overlap_promotion=overlap_promotion, cluster=1,
-                          num_programs=num_programs, interpret=interpret)
+                          group_items=group_items, cluster=1, num_programs=num_programs, interpret=interpret)
     # The item of each row: items cover the rows in order, so it is the count of used items ending at or before it.
     used = expert >= 0
     ends = jnp.where(used, end, M + 1)
@@ -163,7 +159,7 @@ def _cta_item(unit, cluster: int):
 
 
 def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype, tile_m, steps_in_flight,
-                 group_items, overlap_promotion, cluster, num_programs, interpret):
+                 group_items, cluster, num_programs, interpret):
     """blocks[i] = x8[row tile item_tile[i]] @ w8[item_expert[i]]ᵀ with the block scales, float32 promotion per K
     step -> [items, 2 * tile_m, N]; items that are not routed (`_is_routed`) are skipped (their block is left as
     is). Those come last in `grouped_matmul.make_schedule` (the tail past the routed rows, then padding), so the
@@ -175,14 +171,10 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
     them, and `group_items` counts items: a group of `group_items // cluster` units keeps as many rows in L2. A unit
     is routed when its first item is (with clusters every item is: only the dense kernel takes them).
 
-    `overlap_promotion`: each consumer issues K step k's wgmma, then promotes step k - 1's product (held in
-    registers from the step before) while the tensor cores run it, and only then waits for it. Without it the two run
-    back to back in each consumer: 64 rows x 128 columns of multiply-adds per step against ~500 cycles of its
-    wgmma, and the tensor cores idle during the promotion unless the other consumer's wgmma fills the gap (the
-    suspected limit at 1.07 ms, x1.46 of bf16, once the multicast showed L2 was not). The held product costs 64
-    more registers a thread (192 of float32 values across total, held product and the wgmma's accumulator), within
-    the ~236 that the consumers get once the producer drops to 40 (`memory_registers`). Earlier, handing each step's
-    shared memory back before the promotion (`release_early`) measured no gain twice (H200, 2026-12-01) and went."""
+    Each consumer runs a K step's wgmma and its promotion (64 rows x 128 columns of multiply-adds) back to back. Two
+    ways to overlap them measured slower on the H200 (2026-12-01) and went: handing each step's shared memory back
+    before the promotion (no gain, twice), and promoting step k - 1's product, held in registers, while step k's
+    wgmma runs (1.258 ms against 1.071 at M = 4096, K = 7168, N = 18432)."""
     if cluster not in CLUSTER_SIZES:
         raise ValueError(f"cluster={cluster}: the kernel takes clusters of {CLUSTER_SIZES} CTAs")
     items = item_expert.shape[0]
@@ -244,34 +236,20 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                 def promote(total, part, scales):
                     return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
 
-                def step(indices, x_smem, w_smem, xs_smem, ws_smem, carry):
-                    total, *held = carry if overlap_promotion else (carry,)  # held: the last step's product, scales
-
+                def step(indices, x_smem, w_smem, xs_smem, ws_smem, total):
                     def product(acc):
                         plgpu.wgmma(acc, x_smem.at[rows], w_smem.transpose((1, 0)))
-                        if not overlap_promotion:
-                            return acc[...]  # reading the accumulator waits for the wgmma
-                        promoted = promote(total, *held)  # while the wgmma runs
-                        return promoted, acc[...]
+                        return acc[...]  # reading the accumulator waits for the wgmma
 
-                    if overlap_promotion:
-                        total, part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
-                    else:
-                        part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
+                    part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
                     # The column tile is one scale block of w: its scale is a scalar, folded into the row scales, so
                     # the promotion is one multiply-add per element.
                     row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    scales = row_scale * ws_smem[0, 0]
-                    return (total, part, scales) if overlap_promotion else promote(total, part, scales)
+                    return promote(total, part, row_scale * ws_smem[0, 0])
 
                 def context(run):
                     zeros = plgpu.layout_cast(jnp.zeros((tile_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
-                    if overlap_promotion:  # nothing held before the first step: zeros times zero scales
-                        no_scales = plgpu.layout_cast(jnp.zeros((tile_m,), jnp.float32),
-                                                      plgpu.Layout.WGMMA.reduce(1))
-                        total = promote(*run((zeros, zeros, no_scales)))
-                    else:
-                        total = run(zeros)
+                    total = run(zeros)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
                     out_smem[wg] = total.astype(out_dtype)
                     plgpu.commit_smem()

@@ -57,17 +57,14 @@ def operands(M, K, N, seed):
 @pytest.mark.parametrize("M, K, N, tiles, programs", [(128, 384, 384, dict(tile_m=64), 2),
                                                       (256, 256, 128, dict(tile_m=64), 3),
                                                       (512, 256, 384, dict(tile_m=64, group_items=3), 2),
-                                                      (256, 512, 256, dict(tile_m=64, overlap_promotion=True), 2),
                                                       (768, 256, 384, dict(tile_m=64, group_items=4, cluster=2), 4),
                                                       (256, 256, 128, dict(tile_m=64, cluster=2), 6),
-                                                      (512, 384, 256,
-                                                       dict(tile_m=64, overlap_promotion=True, cluster=2), 2)])
+                                                      (512, 384, 256, dict(tile_m=64, cluster=2), 2)])
 def test_interpreted_kernel_equals_the_reference(M, K, N, tiles, programs):
     """Several output tiles per program (a persistent loop over fewer programs than tiles) or an idle program, row
-    tiles swept in groups (the last one short), each step's promotion overlapped with the next wgmma, several K steps
-    with scales 1/8..8 per block and activations spanning 1e-2..30 per 128 channels. With clusters of two: 3 row
-    tile pairs in groups of 2 pairs (the last short) x 3 column tiles over 2 clusters, 1 pair over 3 clusters (2
-    idle), and the overlapped promotion with clusters."""
+    tiles swept in groups (the last one short), several K steps with scales 1/8..8 per block and activations spanning
+    1e-2..30 per 128 channels. With clusters of two: 3 row tile pairs in groups of 2 pairs (the last short) x 3
+    column tiles over 2 clusters, 1 pair over 3 clusters (2 idle), 2 pairs x 2 column tiles over 2 clusters."""
     x, w8, w_scale = operands(M, K, N, M + N)
     x8, x_scale = quantize_activations(x, 128)
     got = fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, out_dtype=jnp.float32, num_programs=programs,
@@ -137,8 +134,8 @@ def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
     between the two CTAs) of the dense up projection's shape, without a GPU."""
     S = jax.ShapeDtypeStruct
     M, K, N = 4096, 7168, 18432
-    for tiles in [dict(tile_m=64), dict(tile_m=128, steps_in_flight=3), dict(tile_m=64, overlap_promotion=True),
-                  dict(tile_m=64, cluster=2), dict(tile_m=64, steps_in_flight=5, overlap_promotion=True, cluster=2)]:
+    for tiles in [dict(tile_m=64), dict(tile_m=128, steps_in_flight=3), dict(tile_m=64, cluster=2),
+                  dict(tile_m=64, steps_in_flight=5, cluster=2)]:
         f = jax.jit(lambda a, s, b, t: fp8_block_matmul_mosaic(a, s, b, t, num_programs=132, **tiles))
         jax.export.export(f, platforms=["cuda"])(S((M, K), jnp.float8_e4m3fn), S((M, K // 128), jnp.float32),
                                                  S((N, K), jnp.float8_e4m3fn), S((N // 128, K // 128), jnp.float32))
@@ -152,12 +149,10 @@ def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
 
 @needs_mosaic
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, dict(cluster=2), dict(cluster=2, num_programs=4, group_items=2),
-                                     dict(cluster=2, num_programs=4, overlap_promotion=True),
-                                     dict(overlap_promotion=True)])
+@pytest.mark.parametrize("options", [{}, dict(cluster=2), dict(cluster=2, num_programs=4, group_items=2)])
 def test_compiled_kernel_on_gpu(options):
-    """Without clusters and with pairs (one work unit per cluster at most, or six per cluster in groups of one pair,
-    or with the promotion overlapped with the next step's wgmma)."""
+    """Without clusters and with pairs (one work unit per cluster at most, or six per cluster in groups of one
+    pair)."""
     x, w8, w_scale = operands(512, 1024, 768, 5)
     x8, x_scale = quantize_activations(x, 128)
     got = jax.jit(lambda *a: fp8_block_matmul_mosaic(*a, out_dtype=jnp.float32, **options))(x8, x_scale, w8, w_scale)
