@@ -526,3 +526,21 @@ def test_compiled_kernels_on_gpu(block, byte_pairs):
             want = fp8_matmul(*operands, block=None, input_scale=input_scale[2], impl="xla")
             assert_within_summation_bound(got, want, summation_bound(*operands, None, input_scale[2],
                                                                      tensor_cores=True))
+
+
+@pytest.mark.gpu
+def test_auto_runs_prefill_rows_on_cublaslt_on_gpu(monkeypatch):
+    """`auto` at CUBLASLT_MIN_ROWS bf16 rows (a prefill chunk) on one GPU takes cuBLASLt's block-scaled GEMM, inside a
+    jitted step with other work around it, and stays within the output's bf16 rounding of the reference."""
+    ran = []
+    real = fp8_matmul_module._cublaslt_matmul
+    monkeypatch.setattr(fp8_matmul_module, "_cublaslt_matmul", lambda *a: ran.append(True) or real(*a))
+    rows, K, N = fp8_matmul_module.CUBLASLT_MIN_ROWS, 1536, 576
+    keys = jax.random.split(jax.random.key(35), 2)
+    x = jax.random.normal(keys[0], (rows, K), jnp.bfloat16)
+    w8, w_scale = random_weight(keys[1], (N, K), BLOCK)
+    step = jax.jit(lambda a, w, s: jnp.tanh(fp8_matmul(a * 2, w, s, block=BLOCK)).astype(jnp.float32))
+    got = step(x, w8, w_scale)
+    assert ran == ([True] if jax.device_count() == 1 else [])
+    want = jnp.tanh(fp8_matmul(x * 2, w8, w_scale, block=BLOCK, impl="xla")).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2 ** -7, atol=2 ** -7)
