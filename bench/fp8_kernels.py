@@ -21,7 +21,8 @@ Sections:
   * decode (--only decode): DeepSeek-V3.2's dense linears at 1 and 32 rows, the block kernel with its K split over
     1..16 programs (`split_k`) against bf16 `jnp.dot` and the FP8 weight-read floor.
   * cublaslt (--only cublaslt): cuBLASLt's own block-scaled GEMM (`fp8_matmul_cublaslt`): checks at the check
-    shapes (float32 and bf16 out, in and out of the CUDA graph), then the dense rows against bf16 and the Mosaic kernel.
+    shapes (float32 and bf16 out, in and out of the CUDA graph), then at 16..4096 rows `fp8_matmul` on cuBLASLt, the
+    Mosaic and the Triton kernel (quantization included, as `auto` runs them) and cuBLASLt's GEMM alone, against bf16.
   * grouped: DeepSeek's routed experts, E = 256, hidden 7168 <-> moe_intermediate 2048, top-8 of uniformly random
     routing, 4096 and 256 tokens (x8 rows; `--tokens` picks others, e.g. decode's 1,8,32, with the routed experts'
     weight-read floor): the FP8 grouped kernel (with and without quantization) against our bf16
@@ -132,6 +133,7 @@ def random_fp8_weight(key, shape):
 MOSAIC = _mosaic_kernels_available()
 MOSAIC_TILES = [dict(tile_m=64, steps_in_flight=4), dict(tile_m=64, steps_in_flight=4, cluster=2)]
 MOSAIC_CHECKS = [{}, dict(cluster=2)]
+CUBLASLT_ROWS = (4096, 2048, 1024, 512, 256, 128, 16)  # the cublaslt section's dense rows
 
 # The e4m3 dot's algorithm: XLA's default, float32 accumulation (what fp8_matmul_xla_fp8 asks for on the GPU), and
 # cuBLASLt's fast (unpromoted) accumulation.
@@ -265,10 +267,10 @@ def dense_operands(M):
     return x, w8, w_scale
 
 
-def dense_cases():
-    """(M, FLOPs, x, w8, w_scale, bf16 `jnp.dot` seconds) for each of the dense rows, the bf16 row printed."""
+def dense_cases(rows):
+    """(M, FLOPs, x, w8, w_scale, bf16 `jnp.dot` seconds) for each M of `rows`, the bf16 row printed."""
     K, N = SHAPES.K, SHAPES.N
-    for M in SHAPES.dense_rows:
+    for M in rows:
         flops = 2 * M * K * N
         say(f"\n  M={M} K={K} N={N}")
         x, w8, w_scale = dense_operands(M)
@@ -281,7 +283,7 @@ def dense_cases():
 @section
 def dense():
     K, N = SHAPES.K, SHAPES.N
-    for M, flops, x, w8, w_scale, bf16 in dense_cases():
+    for M, flops, x, w8, w_scale, bf16 in dense_cases(SHAPES.dense_rows):
         w_nk = jax.random.normal(jax.random.key(1), (N, K), jnp.bfloat16)
         time_row(f"bf16 dot_general w[N,K] M={M}", jax.jit(lambda a, b: lax.dot_general(a, b, TN)), x, w_nk,
                  flops=flops, baseline=bf16)
@@ -490,20 +492,17 @@ def cublaslt():
                 if error >= 1e-2:
                     FAILED_CHECKS.append(label)
     say(f"  callback stages seen: {sorted(lt.STAGES_SEEN)}")
-    for M, flops, x, w8, w_scale, bf16 in dense_cases():
+    # The rows where `fp8_matmul`'s CUBLASLT_MIN_ROWS and MOSAIC_MIN_ROWS draw their lines, each path as `auto` runs
+    # it (quantization included), then cuBLASLt's GEMM alone (the target's row).
+    for M, flops, x, w8, w_scale, bf16 in dense_cases(CUBLASLT_ROWS):
+        for impl in ("cublaslt", "mosaic", "pallas") if MOSAIC else ("cublaslt", "pallas"):
+            time_row(f"fp8_matmul impl={impl} (quantize + GEMM) M={M}",
+                     jax.jit(lambda a, b, c, i=impl: fp8_matmul(a, b, c, block=BLOCK, impl=i)), x, w8, w_scale,
+                     flops=flops, baseline=bf16)
         x8, x_scale = jax.jit(lambda a: quantize_activations(a, BLOCK[1]))(x)
-        for o in (dict(), dict(command_buffer=False)):
-            t = time_row(f"cuBLASLt block kernel only {o} M={M}",
-                         jax.jit(lambda a, s, b, c, o=o: lt.fp8_block_matmul_cublaslt(a, s, b, c, **o)),
-                         x8, x_scale, w8, w_scale, flops=flops, baseline=bf16)
-            if not o:
-                ROWS.append(f"dense M={M}: cuBLASLt block FP8 {flops / t / 1e12:.0f} TFLOP/s = x{bf16 / t:.2f} bf16")
-        time_row(f"cuBLASLt block, quantize + GEMM M={M}",
-                 jax.jit(lambda a, b, c: lt.fp8_block_matmul_cublaslt(*quantize_activations(a, 128), b, c)),
-                 x, w8, w_scale, flops=flops, baseline=bf16)
-        if MOSAIC and M >= 128:
-            time_row(f"Mosaic kernel only (default tiles) M={M}", jax.jit(fp8_block_matmul_mosaic),
-                     x8, x_scale, w8, w_scale, flops=flops, baseline=bf16)
+        t = time_row(f"cuBLASLt block GEMM only M={M}", jax.jit(lt.fp8_block_matmul_cublaslt), x8, x_scale, w8,
+                     w_scale, flops=flops, baseline=bf16)
+        ROWS.append(f"dense M={M}: cuBLASLt block FP8 {flops / t / 1e12:.0f} TFLOP/s = x{bf16 / t:.2f} bf16")
 
 
 def main():
