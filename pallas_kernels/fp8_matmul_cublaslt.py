@@ -5,10 +5,11 @@ operands of `fp8_matmul_pallas.fp8_block_matmul` with (128, 128) weight blocks: 
 runs natively since 12.9 (`CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F` for the weight,
 `..._VEC128_32F` for the activations, one float32 scale per token and 128 channels).
 
-XLA has no block-scaled FP8 dot on Hopper, so the library is called from a `buffer_callback` (jax >= 0.8) through
-ctypes: the callback gets the device pointers and XLA's stream and enqueues one `cublasLtMatmul`; with
-`command_buffer=True` it runs while XLA records the step's CUDA graph, and replays run the recorded GEMM without
-Python. The library is the one XLA loaded (found in /proc/self/maps), so nothing is built or installed.
+XLA has no block-scaled FP8 dot on Hopper, so the library is called from a `jax.experimental.buffer_callback` (jax
+0.10 and 0.11 have it) through ctypes: the callback gets the device pointers and XLA's stream and enqueues one
+`cublasLtMatmul`; with `command_buffer=True` it runs while XLA records the step's CUDA graph, and replays run the
+recorded GEMM (XLA records again when the buffers' addresses change, which calls the Python again). The library is
+the one XLA loaded (found in /proc/self/maps), so nothing is built or installed.
 
 In cuBLASLt's column-major terms the product is yᵀ[N, M] = op(A)·B with A = w8 (stored [N][K], op = T) and B = x8
 (stored [M][K], op = N), which is y[M, N] row-major. The scale layouts it takes (the ones torch's `_scaled_mm` hands
