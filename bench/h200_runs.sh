@@ -77,10 +77,10 @@ for what in "$@"; do
     fp8_decode) FP8_TIMEOUT=${FP8_TIMEOUT:-300} FP8_ONLY=decode bash "$0" fp8 ;;
     fp8_moe_decode) FP8_TIMEOUT=${FP8_TIMEOUT:-300} FP8_ONLY=grouped FP8_ARGS="--tokens 1,8,32" bash "$0" fp8 ;;
     fp8_gsweep) FP8_ONLY=grouped_sweep FP8_ARGS=--sweep bash "$0" fp8 ;;
-    fp8_engine) for run in "pallas --fp8-block" "mosaic --fp8-block" "pallas"; do  # the FP8 GPU paths (Triton's
-          set -- $run  # block kernels, then the Mosaic GPU ones) in the engine, against bf16
-          echo "--- block kernel $1 ${2:-(bf16 weights)}"
-          JAXMODELS_FP8_GPU_PATHS=1 JAXMODELS_FP8_BLOCK_KERNEL=$1 bench --config bench/configs/deepseek_v32_4layer.json \
+    fp8_engine) for run in "1 --fp8-block" "0 --fp8-block" "1"; do  # FP8 in the engine as `auto` runs it (cuBLASLt
+          set -- $run  # for prefill chunks, the Mosaic / Triton kernels below), then without cuBLASLt, then bf16
+          echo "--- JAXMODELS_FP8_CUBLASLT=$1 ${2:-(bf16 weights)}"
+          JAXMODELS_FP8_CUBLASLT=$1 bench --config bench/configs/deepseek_v32_4layer.json \
             --phases prefill,decode --batches 1,32 --decode-steps 24 --prefill-chunk 4096 ${2:-} 2>&1 | tail -14
         done ;;
     fp8_b1_profile) for fp8 in --fp8-block ""; do  # FP8 against bf16 decode at one sequence, per-op tables
