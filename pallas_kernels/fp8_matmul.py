@@ -268,6 +268,8 @@ def _matmul_impl(impl: str, block, interpret: bool) -> str:
     reference), which `fp8_matmul` may then hand to the Mosaic kernel (`_auto_takes_mosaic`)."""
     if impl in ("mosaic", "cublaslt"):
         _check_mosaic_block(block, impl)
+        if impl == "cublaslt" and not on_gpu():
+            raise ValueError("impl='cublaslt' calls cuBLASLt and runs on NVIDIA GPUs only; use impl='auto' or 'xla'")
         return impl
     if impl == "xla_fp8":
         if block is not None:
