@@ -84,10 +84,10 @@ BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL") or ("mosaic" if _mos
 MOSAIC_MIN_ROWS = 65
 # Dense block-scaled products of at least this many rows run on cuBLASLt's block-scaled GEMM (`fp8_matmul_cublaslt`)
 # where `auto` takes the GPU paths on a one-device process (`_one_device`); JAXMODELS_FP8_CUBLASLT=0 keeps them on
-# BLOCK_KERNEL. On the H200 (2026-12-01,
-# `FP8_ONLY=cublaslt bash bench/h200_runs.sh fp8`) at M=4096 K=7168 N=18432: 0.960 ms (x1.64 of bf16's 1.577, the
-# Mosaic kernel 1.087 in the same run). At 128 rows the library took 0.067 ms with the quantization and 0.142 without
-# it (the Mosaic kernel 0.069 without): not understood, so the rows between stay on the kernels.
+# BLOCK_KERNEL. On the H200 (2026-12-01, `FP8_ONLY=cublaslt bash bench/h200_runs.sh fp8`) at M=4096 K=7168 N=18432:
+# 0.960 ms (x1.64 of bf16's 1.577, the Mosaic kernel 1.087 in the same run). At 128 rows the library took 0.067 ms
+# with the quantization and 0.142 without it (the Mosaic kernel 0.069 without): not understood, so the rows between
+# stay on the kernels.
 CUBLASLT_MIN_ROWS = 1024
 USE_CUBLASLT = os.environ.get("JAXMODELS_FP8_CUBLASLT", "1") != "0"
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
@@ -263,11 +263,12 @@ def _unverified_auto(impl: str, interpret: bool) -> str:
 
 
 def _matmul_impl(impl: str, block, interpret: bool) -> str:
-    """"xla", "xla_fp8", "pallas" or "mosaic" for fp8_matmul: `auto` on the GPU takes cuBLASLt's FP8 GEMM for
-    per-tensor weights and the Pallas kernel for block-scaled ones (unless the kernel cannot take the block: the
-    reference), which `fp8_matmul` may then hand to the Mosaic kernel (`_auto_takes_mosaic`)."""
+    """"xla", "xla_fp8", "pallas", "mosaic" or "cublaslt" for fp8_matmul: `auto` on the GPU takes cuBLASLt's FP8
+    GEMM for per-tensor weights and the Pallas kernel for block-scaled ones (unless the kernel cannot take the block:
+    the reference), which `fp8_matmul` may then hand to cuBLASLt's block-scaled GEMM (`_auto_takes_cublaslt`) or the
+    Mosaic kernel (`_auto_takes_mosaic`)."""
     if impl in ("mosaic", "cublaslt"):
-        _check_mosaic_block(block, impl)
+        _check_block_128(block, impl)
         if impl == "cublaslt" and not on_gpu():
             raise ValueError("impl='cublaslt' calls cuBLASLt and runs on NVIDIA GPUs only; use impl='auto' or 'xla'")
         return impl
@@ -327,7 +328,7 @@ def _one_device() -> bool:
     return jax.device_count() == 1
 
 
-def _check_mosaic_block(block, impl: str = "mosaic") -> None:
+def _check_block_128(block, impl: str) -> None:
     if tuple(block or ()) != (128, 128):
         raise ValueError(f"impl={impl!r} takes (128, 128) block-scaled weights, got block {block}")
 
@@ -372,7 +373,7 @@ def fp8_grouped_matmul(x, w, w_scale, group_sizes, *, block: tuple[int, int] | N
     choice = "mosaic" if impl == "mosaic" else resolve_impl(
         _unverified_auto(impl, interpret), interpret, block and pallas_problem(block), "fp8_grouped_matmul")
     if choice == "mosaic" or _auto_takes_mosaic(impl, choice, block, w.shape, interpret):
-        _check_mosaic_block(block)
+        _check_block_128(block, "mosaic")
         from .fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic
 
         x8, x_scale = quantize_activations(x, 128, pow2_scales=pow2_scales)

@@ -181,13 +181,8 @@ def _pointer(buffer) -> int:
     return buffer.__cuda_array_interface__["data"][0]
 
 
-STAGES_SEEN: set = set()  # the callback's execution stages, for the record (bench/fp8_kernels.py prints them)
-
-
 def _gemm_callback(ctx, outs, x8, x_scale, w8, w_scale):
-    stage = getattr(ctx, "stage", None)
-    STAGES_SEEN.add(str(stage))
-    if stage is not None and getattr(stage, "name", "EXECUTE") != "EXECUTE":
+    if ctx.stage.name != "EXECUTE":  # the only stage the H200 runs showed; any other has no stream to run on
         return
     out, workspace = outs
     rows, n = out.shape

@@ -233,9 +233,6 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                 rows = pl.ds(wg * tile_m, tile_m)
                 columns = pl.ds(n_idx * BLOCK, BLOCK)
 
-                def promote(total, part, scales):
-                    return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
-
                 def step(indices, x_smem, w_smem, xs_smem, ws_smem, total):
                     def product(acc):
                         plgpu.wgmma(acc, x_smem.at[rows], w_smem.transpose((1, 0)))
@@ -245,11 +242,11 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                     # The column tile is one scale block of w: its scale is a scalar, folded into the row scales, so
                     # the promotion is one multiply-add per element.
                     row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    return promote(total, part, row_scale * ws_smem[0, 0])
+                    scales = row_scale * ws_smem[0, 0]
+                    return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
 
                 def context(run):
-                    zeros = plgpu.layout_cast(jnp.zeros((tile_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
-                    total = run(zeros)
+                    total = run(plgpu.layout_cast(jnp.zeros((tile_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
                     out_smem[wg] = total.astype(out_dtype)
                     plgpu.commit_smem()
