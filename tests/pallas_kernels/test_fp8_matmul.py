@@ -450,12 +450,17 @@ def test_cublaslt_scale_layouts():
     np.testing.assert_array_equal(xs[:, :5], x_scale.T)
     assert not np.asarray(xs[:, 5:]).any()
     np.testing.assert_array_equal(ws[:, :3], w_scale)
-    with pytest.raises(ValueError, match="NVIDIA GPUs only"):  # asked for on the CPU: a clear error, not a crash
-        fp8_matmul(jnp.ones((4, 256)), *random_weight(jax.random.key(0), (256, 256), BLOCK), block=BLOCK,
-                   impl="cublaslt")
     assert cublaslt_problem(576, 7168, BLOCK) is None
     assert "multiples of 16" in cublaslt_problem(200, 7168, BLOCK)
     assert "(128, 128)" in cublaslt_problem(256, 256, (128, 64))
+
+
+@pytest.mark.cpu_only
+def test_cublaslt_asked_for_on_the_cpu_is_a_clear_error():
+    """impl='cublaslt' off the GPU fails at trace time, naming why, not inside the callback."""
+    with pytest.raises(ValueError, match="NVIDIA GPUs only"):
+        fp8_matmul(jnp.ones((4, 256)), *random_weight(jax.random.key(0), (256, 256), BLOCK), block=BLOCK,
+                   impl="cublaslt")
 
 
 def test_auto_runs_the_reference_on_cpu(monkeypatch):
