@@ -34,6 +34,9 @@ fp8_matmul_module = importlib.import_module("pallas_kernels.fp8_matmul")
 
 E4M3 = ml_dtypes.float8_e4m3fn
 BLOCK = (128, 128)
+# The most two bf16 roundings of one value can differ by, relative to the larger: one step of bf16's 8 significant
+# bits, 2^-7 of a value at the bottom of its binade.
+BF16_STEP = 2.0 ** -7
 M, K, N = 6, 320, 192  # K: two whole column blocks and a half one; N: one whole row block and a half one
 
 
@@ -300,17 +303,17 @@ def test_suggested_split_k_fills_the_sms_with_splits_of_four_to_36_k_blocks(rows
 
 
 def test_block_kernel_with_pow2_scales_and_bf16_activations():
-    """Output in bf16: both round the same float32 sums, which lie within the bound, so they differ by at most one
-    bf16 rounding step (2^-8 of the value) beyond it."""
+    """Output in bf16: both round float32 sums which lie within the bound of each other, so they differ by at most one
+    bf16 step (BF16_STEP of the larger value) beyond it."""
     keys = jax.random.split(jax.random.key(30), 2)
     x = jax.random.normal(keys[0], (24, 256)).astype(jnp.bfloat16)
     w8, w_scale = random_weight(keys[1], (128, 256), BLOCK)
     got = dense(x, w8, w_scale, block=BLOCK, impl="pallas", pow2=True)
     want = dense(x, w8, w_scale, block=BLOCK, impl="xla", pow2=True)
     assert got.dtype == jnp.bfloat16
-    want64 = np.asarray(want, np.float64)
-    bound = summation_bound(x, w8, w_scale, BLOCK) + 2.0 ** -8 * np.abs(want64)
-    assert_within_summation_bound(got, want, bound)
+    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    bound = summation_bound(x, w8, w_scale, BLOCK) + BF16_STEP * np.maximum(abs(got64), abs(want64))
+    assert_within_summation_bound(got64, want64, bound)
 
 
 @pytest.mark.cpu_only
@@ -539,16 +542,24 @@ def test_compiled_kernels_on_gpu(block, byte_pairs):
 @pytest.mark.gpu
 def test_auto_runs_prefill_rows_on_cublaslt_on_gpu(monkeypatch):
     """`auto` at CUBLASLT_MIN_ROWS bf16 rows (a prefill chunk) on one GPU takes cuBLASLt's block-scaled GEMM, inside a
-    jitted step with other work around it, and stays within the output's bf16 rounding of the reference."""
+    jitted step with work fused on both sides of it, and stays within the tensor cores' summation bound plus one bf16
+    step (at most 2^-7 of the value) of the reference: both round sums within the bound to bf16.
+
+    (An elementwise tolerance on the values does not hold: with weights scaled by up to 8 per row and column, the sums
+    reach 6,500 while 0.7% of the outputs are below 1, and those carry the accumulation error of their large terms:
+    0.2 on 0.9 in the first run on the H200, 3e-5 of the largest output.)"""
     ran = []
     real = fp8_matmul_module._cublaslt_matmul
     monkeypatch.setattr(fp8_matmul_module, "_cublaslt_matmul", lambda *a: ran.append(True) or real(*a))
     rows, K, N = fp8_matmul_module.CUBLASLT_MIN_ROWS, 1536, 576
     keys = jax.random.split(jax.random.key(35), 2)
-    x = jax.random.normal(keys[0], (rows, K), jnp.bfloat16)
+    x = jax.random.normal(keys[0], (rows, K), jnp.bfloat16) * 2  # x * 2 and / 2 are exact in bf16
     w8, w_scale = random_weight(keys[1], (N, K), BLOCK)
-    step = jax.jit(lambda a, w, s: jnp.tanh(fp8_matmul(a * 2, w, s, block=BLOCK)).astype(jnp.float32))
-    got = step(x, w8, w_scale)
+    step = jax.jit(lambda a, w, s: fp8_matmul(a * 2, w, s, block=BLOCK).astype(jnp.float32) / 2)
+    got = step(x / 2, w8, w_scale)
     assert ran == ([True] if jax.device_count() == 1 else [])
-    want = jnp.tanh(fp8_matmul(x * 2, w8, w_scale, block=BLOCK, impl="xla")).astype(jnp.float32)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2 ** -7, atol=2 ** -7)
+    want = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="xla")
+    assert got.dtype == jnp.float32 and want.dtype == jnp.bfloat16
+    got64, want64 = np.asarray(got, np.float64) * 2, np.asarray(want, np.float64)
+    bound = summation_bound(x, w8, w_scale, BLOCK, tensor_cores=True) + BF16_STEP * np.maximum(abs(got64), abs(want64))
+    assert_within_summation_bound(got64, want64, bound)
