@@ -85,9 +85,11 @@ MOSAIC_MIN_ROWS = 65
 # Dense block-scaled products of at least this many rows run on cuBLASLt's block-scaled GEMM (`fp8_matmul_cublaslt`)
 # where `auto` takes the GPU paths on a one-device process (`_one_device`); JAXMODELS_FP8_CUBLASLT=0 keeps them on
 # BLOCK_KERNEL. On the H200 (2026-12-01, `FP8_ONLY=cublaslt bash bench/h200_runs.sh fp8`) at M=4096 K=7168 N=18432:
-# 0.960 ms (x1.64 of bf16's 1.577, the Mosaic kernel 1.087 in the same run). At 128 rows the library took 0.067 ms
-# with the quantization and 0.142 without it (the Mosaic kernel 0.069 without): not understood, so the rows between
-# stay on the kernels.
+# 0.960 ms (x1.64 of bf16's 1.577, the Mosaic kernel 1.087 in the same run). With the activations' quantization in
+# front, the library was ahead of the Mosaic kernel from 128 rows up (seventh run, docs/BENCHMARKS.md: 0.065 against
+# 0.077 ms at 128 rows, 0.152 against 0.165 at 512), but the GEMM alone timed slower at 128 rows and below (0.103 ms),
+# which is not understood, and no engine run has measured decode batches on the callback: rows below 1024 stay on the
+# kernels. (End to end, the DeepSeek 4k prefill took 78.8 ms with it and 77.5 without: within the runs' spread.)
 CUBLASLT_MIN_ROWS = 1024
 USE_CUBLASLT = os.environ.get("JAXMODELS_FP8_CUBLASLT", "1") != "0"
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
