@@ -41,6 +41,41 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def gpu_capability() -> tuple[int, int] | None:
+    """The first device's CUDA compute capability as (major, minor): (9, 0) on the H200; None off the GPU or where
+    the device does not say (then the kernels' choices stay those made for the H200)."""
+    if not on_gpu():
+        return None
+    try:
+        major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):
+        return None
+
+
+def is_hopper() -> bool:
+    """Whether the GPU is a Hopper (compute capability 9.x; unknown counts as one): the Mosaic GPU kernels use its
+    wgmma instructions and cuBLASLt's 128 x 128 block-scaled FP8 GEMM was measured there; Blackwell has neither
+    wgmma nor our measurements."""
+    capability = gpu_capability()
+    return capability is None or capability[0] == 9
+
+
+def lacks_fp8_tensor_cores() -> bool:
+    """A GPU below compute capability 8.9 (Ampere and older): no e4m3 MMA, no e4m3 type in Triton, no FP8 GEMM in
+    cuBLASLt."""
+    capability = gpu_capability()
+    return capability is not None and capability < (8, 9)
+
+
+def fp8_problem(*operands) -> str | None:
+    """Why a Triton kernel cannot take these float8 operands on this GPU (`lacks_fp8_tensor_cores`), or None."""
+    if lacks_fp8_tensor_cores() and any(jnp.dtype(a.dtype) in (jnp.float8_e4m3fn, jnp.float8_e5m2) for a in operands):
+        major, minor = gpu_capability()
+        return f"float8 operands need compute capability 8.9 or newer, this GPU has {major}.{minor}"
+    return None
+
+
 def num_sms() -> int:
     """The first device's streaming multiprocessors, or the H200's 132 where the device does not say (the CPU):
     the kernels' grid defaults were tuned there."""

@@ -24,7 +24,8 @@ The XLA reference (`impl="xla"`) quantizes the activations as above, dequantizes
 one float32 dot at HIGHEST precision: the products and scales an FP8 tensor-core GEMM with float32 accumulation
 applies, summed in another order. It is the oracle the GPU paths are tested against.
 
-GPU paths (what `impl="auto"` takes there, see GPU_PATHS_VERIFIED):
+GPU paths (what `impl="auto"` takes on a GPU with FP8 tensor cores, compute capability 8.9 or newer; see
+GPU_PATHS_VERIFIED; below 8.9, Ampere and older, `auto` runs the reference, which dequantizes the weights in the step):
   * block-scaled: activations quantized in XLA (memory-bound, fused), then the Pallas kernels of
     `fp8_matmul_pallas` (`impl="pallas"`), which scale each 128-wide K block's e4m3 product as it accumulates.
     A scale block whose width is no power of two >= 16 (no published checkpoint has one) falls back to the reference.
@@ -33,21 +34,24 @@ GPU paths (what `impl="auto"` takes there, see GPU_PATHS_VERIFIED):
     input_scale · weight_scale. `impl="pallas"` runs the block kernel with the scales broadcast per block instead.
   * per-tensor grouped: the block kernel with each expert's scales broadcast per block (`ragged_dot` takes e4m3
     operands but is no fast path on the GPU).
-  * block-scaled (128, 128) with N and K multiples of 128, where jax has Pallas' Mosaic GPU backend (jax >= 0.11):
+  * block-scaled (128, 128) with N and K multiples of 128, on a Hopper, where jax has Pallas' Mosaic GPU backend
+    (jax >= 0.11):
     `fp8_matmul_mosaic` (`impl="mosaic"`), a warp-specialized wgmma kernel, dense (from MOSAIC_MIN_ROWS rows) and
     grouped, rows padded to its 128-row tile; see BLOCK_KERNEL.
-  * block-scaled (128, 128), dense, from CUBLASLT_MIN_ROWS rows (prefill), one device: cuBLASLt's own block-scaled
+  * block-scaled (128, 128), dense, from CUBLASLT_MIN_ROWS rows (prefill), one Hopper: cuBLASLt's own block-scaled
     FP8 GEMM (`fp8_matmul_cublaslt`, `impl="cublaslt"`), called from the step through a `buffer_callback`.
 On CPU `auto` runs the reference, and `interpret=True` runs the Pallas kernels in interpret mode (as the tests do).
 """
 
+import functools
 import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._dispatch import on_gpu, resolve_impl
+from . import _dispatch
+from ._dispatch import is_hopper, lacks_fp8_tensor_cores, log, on_gpu, resolve_impl
 from .fp8_matmul_pallas import fp8_block_grouped_matmul, fp8_block_matmul, pallas_problem
 from .packing import count_at_or_below, prefix_sum
 
@@ -259,9 +263,24 @@ def fp8_matmul_xla_fp8(x, w, w_scale, *, input_scale):
     return (out[:rows] * (input_scale * w_scale)).astype(x.dtype)
 
 
-def _unverified_auto(impl: str, interpret: bool) -> str:
-    """`auto` -> "xla" when the GPU paths are switched off (GPU_PATHS_VERIFIED), except in interpret mode."""
-    return "xla" if impl == "auto" and not interpret and not GPU_PATHS_VERIFIED else impl
+def _gpu_paths_or_reference(impl: str, interpret: bool) -> str:
+    """`auto` -> "xla" (outside interpret mode) when the GPU paths are switched off (GPU_PATHS_VERIFIED) or the GPU
+    has no FP8 tensor cores (`lacks_fp8_tensor_cores`): the reference then dequantizes the FP8 weights in the step,
+    as weight-only FP8 (the checkpoint's bytes on the device, a bf16 product)."""
+    if impl != "auto" or interpret:
+        return impl
+    if lacks_fp8_tensor_cores():
+        _warn_no_fp8_tensor_cores()
+        return "xla"
+    return impl if GPU_PATHS_VERIFIED else "xla"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_fp8_tensor_cores() -> None:
+    major, minor = _dispatch.gpu_capability()
+    log.warning("this GPU (compute capability %d.%d) has no FP8 tensor cores: FP8 weights run through the reference, "
+                "dequantized in every step into float32 dots; where memory allows, load with "
+                "quantization='dequantize' for the compute dtype's speed", major, minor)
 
 
 def _matmul_impl(impl: str, block, interpret: bool) -> str:
@@ -278,7 +297,7 @@ def _matmul_impl(impl: str, block, interpret: bool) -> str:
         if block is not None:
             raise ValueError("impl='xla_fp8' is the per-tensor (block=None) form's; block-scaled FP8 runs 'pallas'")
         return impl
-    impl = _unverified_auto(impl, interpret)
+    impl = _gpu_paths_or_reference(impl, interpret)
     choice = resolve_impl(impl, interpret, block and pallas_problem(block), "fp8_matmul")
     return "xla_fp8" if impl == "auto" and choice == "pallas" and block is None and not interpret else choice
 
@@ -310,17 +329,18 @@ def fp8_matmul(x, w, w_scale, *, block: tuple[int, int] | None, input_scale=None
 
 
 def _auto_takes_mosaic(impl: str, choice: str, block, w_shape, interpret: bool) -> bool:
-    """Whether `auto`, having chosen the Pallas block kernel, runs the Mosaic one instead (BLOCK_KERNEL)."""
-    return (impl == "auto" and choice == "pallas" and BLOCK_KERNEL == "mosaic" and not interpret
+    """Whether `auto`, having chosen the Pallas block kernel, runs the Mosaic one instead (BLOCK_KERNEL; a Hopper's
+    wgmma kernel)."""
+    return (impl == "auto" and choice == "pallas" and BLOCK_KERNEL == "mosaic" and not interpret and is_hopper()
             and tuple(block or ()) == (128, 128) and not w_shape[-1] % 128 and not w_shape[-2] % 128)
 
 
 def _auto_takes_cublaslt(impl: str, choice: str, block, w_shape, interpret: bool) -> bool:
     """Whether `auto`, having chosen the Pallas block kernel, may run cuBLASLt's block-scaled GEMM instead (from
-    CUBLASLT_MIN_ROWS rows)."""
+    CUBLASLT_MIN_ROWS rows, on a Hopper, where it was measured)."""
     from .fp8_matmul_cublaslt import cublaslt_problem
 
-    return (impl == "auto" and choice == "pallas" and USE_CUBLASLT and not interpret and _one_device()
+    return (impl == "auto" and choice == "pallas" and USE_CUBLASLT and not interpret and is_hopper() and _one_device()
             and cublaslt_problem(w_shape[-2], w_shape[-1], block) is None)
 
 
@@ -373,7 +393,7 @@ def fp8_grouped_matmul(x, w, w_scale, group_sizes, *, block: tuple[int, int] | N
     _check_operands(x, w, impl, IMPLS[:3] + ("mosaic",))  # the grouped form has no xla_fp8 path
     _check_scales(w, w_scale, block, input_scale, stacked=1)
     choice = "mosaic" if impl == "mosaic" else resolve_impl(
-        _unverified_auto(impl, interpret), interpret, block and pallas_problem(block), "fp8_grouped_matmul")
+        _gpu_paths_or_reference(impl, interpret), interpret, block and pallas_problem(block), "fp8_grouped_matmul")
     if choice == "mosaic" or _auto_takes_mosaic(impl, choice, block, w.shape, interpret):
         _check_block_128(block, "mosaic")
         from .fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic

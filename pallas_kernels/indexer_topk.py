@@ -44,8 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import (as_byte_pairs, dot_precision, first_problem, needs_byte_pairs, next_pow2, pow2_tile_problem,
-                        resolve_impl, split_byte_pairs)
+from ._dispatch import (as_byte_pairs, dot_precision, first_problem, fp8_problem, needs_byte_pairs, next_pow2,
+                        pow2_tile_problem, resolve_impl, split_byte_pairs)
 from .topk_select import GROUP, masked_keys_and_group_max, select_topk_pallas  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -130,7 +130,8 @@ def indexer_topk(q, weights, k_cache, *, kv_lens, topk: int, page_table=None, se
     page_size = k_cache.shape[1]
     if topk >= page_size * (page_table.shape[1] if page_table is not None else 1):
         return visible_prefix(kv_lens, topk)
-    if resolve_impl(impl, interpret, pallas_problem(q.shape[1], q.shape[2], page_size), "indexer_topk") == "xla":
+    problem = first_problem(pallas_problem(q.shape[1], q.shape[2], page_size), fp8_problem(k_cache))
+    if resolve_impl(impl, interpret, problem, "indexer_topk") == "xla":
         return indexer_topk_reference(q, weights, k_cache, kv_lens=kv_lens, topk=topk, page_table=page_table,
                                       seq_ids=seq_ids, k_scale=k_scale)
     return indexer_topk_pallas(q, weights, k_cache, kv_lens=kv_lens, topk=topk, page_table=page_table,

@@ -63,3 +63,49 @@ def test_auto_falls_back_for_a_contiguous_cache_of_odd_length(monkeypatch):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="page_size"):
         itk.indexer_topk(q, w, k, kv_lens=lens, topk=8, impl="pallas")
+
+
+class _Device:
+    def __init__(self, compute_capability):
+        self.compute_capability = compute_capability
+
+
+def test_gpu_capability_reads_the_first_device(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(jax, "devices", lambda: [_Device("9.0")])
+    assert _dispatch.gpu_capability() == (9, 0) and _dispatch.is_hopper()
+    assert not _dispatch.lacks_fp8_tensor_cores()
+    monkeypatch.setattr(jax, "devices", lambda: [_Device("8.0")])
+    assert _dispatch.gpu_capability() == (8, 0) and not _dispatch.is_hopper() and _dispatch.lacks_fp8_tensor_cores()
+    monkeypatch.setattr(jax, "devices", lambda: [_Device("10.0")])
+    assert not _dispatch.is_hopper() and not _dispatch.lacks_fp8_tensor_cores()
+    # A device that does not say keeps the choices made for the H200.
+    monkeypatch.setattr(jax, "devices", lambda: [object()])
+    assert _dispatch.gpu_capability() is None and _dispatch.is_hopper() and not _dispatch.lacks_fp8_tensor_cores()
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: False)
+    assert _dispatch.gpu_capability() is None
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6)])
+def test_fp8_index_keys_run_the_reference_on_a_gpu_without_fp8(monkeypatch, capability):
+    """An A100 (8.0) or an RTX 3090 (8.6) has no e4m3 type in Triton: `auto` runs the indexer's reference on FP8 keys
+    (named by `fp8_problem`), and `pallas` refuses them with the reason."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(_dispatch, "gpu_capability", lambda: capability)
+    q, w = jax.random.normal(jax.random.key(0), (4, 16, 32)), jax.random.normal(jax.random.key(1), (4, 16))
+    k8, k_scale = itk.quantize_index_k_fp8(jax.random.normal(jax.random.key(2), (3, 16, 32)))
+    kw = dict(kv_lens=jnp.array([16, 9, 40, 3], jnp.int32), topk=8, k_scale=k_scale,
+              page_table=jnp.array([[1, 2, 0], [2, 1, 0]], jnp.int32), seq_ids=jnp.array([0, 0, 1, 1], jnp.int32))
+    assert "8.9" in _dispatch.fp8_problem(k8) and _dispatch.fp8_problem(q) is None
+    got = itk.indexer_topk(q, w, k8, impl="auto", **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(itk.indexer_topk_reference(q, w, k8, **kw)))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        itk.indexer_topk(q, w, k8, impl="pallas", **kw)
+    monkeypatch.setattr(_dispatch, "gpu_capability", lambda: (8, 9))
+    assert _dispatch.fp8_problem(k8) is None

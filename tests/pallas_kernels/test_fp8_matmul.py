@@ -400,6 +400,48 @@ def test_auto_picks_the_gpu_paths_on_a_gpu(monkeypatch):
         _matmul_impl("xla_fp8", BLOCK, interpret=False)
 
 
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6)])
+def test_auto_runs_the_reference_on_a_gpu_without_fp8_tensor_cores(monkeypatch, caplog, capability):
+    """An A100 (8.0) or an RTX 3090 (8.6) has no e4m3 MMA: `auto` serves FP8 weights through the reference (the
+    weights dequantized in the step), block-scaled and per-tensor, dense and grouped; an explicit impl is left as asked.
+    Ada (8.9) takes the GPU paths."""
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(_dispatch, "gpu_capability", lambda: capability)
+    monkeypatch.setattr(fp8_matmul_module, "GPU_PATHS_VERIFIED", True)
+    fp8_matmul_module._warn_no_fp8_tensor_cores.cache_clear()
+    with caplog.at_level("WARNING", logger="pallas_kernels"):
+        assert _matmul_impl("auto", BLOCK, interpret=False) == "xla"
+    assert f"compute capability {capability[0]}.{capability[1]}" in caplog.text and "dequantize" in caplog.text
+    assert _matmul_impl("auto", None, interpret=False) == "xla"
+    assert _matmul_impl("pallas", BLOCK, interpret=False) == "pallas"
+    keys = jax.random.split(jax.random.key(36), 3)
+    x = jax.random.normal(keys[0], (24, 256))
+    w8, w_scale = random_weight(keys[1], (4, 128, 256), BLOCK)
+    sizes = jnp.array([5, 0, 12, 7], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(fp8_matmul(x, w8[0], w_scale[0], block=BLOCK)),
+                                  np.asarray(fp8_matmul(x, w8[0], w_scale[0], block=BLOCK, impl="xla")))
+    np.testing.assert_array_equal(
+        np.asarray(fp8_grouped_matmul(x, w8, w_scale, sizes, block=BLOCK)),
+        np.asarray(fp8_grouped_matmul(x, w8, w_scale, sizes, block=BLOCK, impl="xla")))
+    monkeypatch.setattr(_dispatch, "gpu_capability", lambda: (8, 9))
+    assert _matmul_impl("auto", BLOCK, interpret=False) == "pallas"
+    assert _matmul_impl("auto", None, interpret=False) == "xla_fp8"
+
+
+def test_auto_keeps_the_hopper_kernels_on_hoppers(monkeypatch):
+    """The Mosaic kernel (wgmma) and cuBLASLt's block-scaled GEMM (measured on the H200 only) are Hopper paths: a
+    Blackwell (10.0) or an Ada (8.9) keeps the Triton kernel."""
+    from pallas_kernels.fp8_matmul import _auto_takes_cublaslt, _auto_takes_mosaic
+
+    monkeypatch.setattr(fp8_matmul_module, "BLOCK_KERNEL", "mosaic")
+    monkeypatch.setattr(fp8_matmul_module, "USE_CUBLASLT", True)
+    monkeypatch.setattr(fp8_matmul_module, "_one_device", lambda: True)
+    for capability, hopper in [((9, 0), True), ((10, 0), False), ((8, 9), False), (None, True)]:
+        monkeypatch.setattr(_dispatch, "gpu_capability", lambda c=capability: c)
+        assert _auto_takes_mosaic("auto", "pallas", BLOCK, (256, 7168), interpret=False) == hopper
+        assert _auto_takes_cublaslt("auto", "pallas", BLOCK, (256, 7168), interpret=False) == hopper
+
+
 def test_auto_hands_block_scaled_weights_to_the_mosaic_kernel_per_block_kernel(monkeypatch):
     from pallas_kernels.fp8_matmul import _auto_takes_mosaic
 
