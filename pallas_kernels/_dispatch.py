@@ -61,6 +61,35 @@ def is_hopper() -> bool:
     return capability is None or capability[0] == 9
 
 
+# Shared memory one program (thread block) may take, in KiB, by compute capability (CUDA C++ Programming Guide,
+# "Technical Specifications per Compute Capability"): V100 96, T4 64, A100 163, RTX 30 / A10 / L40S / RTX 40 99,
+# Orin 163, H100 / H200 227, B200 227, RTX 50 99. Other known GPUs get the least of these recent ones.
+_SHARED_MEMORY_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227,
+                      (10, 0): 227, (12, 0): 99}
+# What the kernels' pipelines (num_stages) were sized for: the H200's.
+HOPPER_SHARED_MEMORY = 227 * 1024
+
+
+def shared_memory_per_program() -> int:
+    """Bytes of shared memory one program may take on this GPU (the H200's where the device does not say)."""
+    capability = gpu_capability()
+    if capability is None:
+        return HOPPER_SHARED_MEMORY
+    return _SHARED_MEMORY_KIB.get(capability, 99) * 1024
+
+
+def fit_stages(stages: int, stage_bytes: int, other_bytes: int = 8 * 1024) -> int:
+    """The most pipeline stages, at most `stages` and at least 1, whose buffers (`stage_bytes` each, plus
+    `other_bytes` for the rest of the program's shared memory) fit in `shared_memory_per_program`. The kernels' default
+    stages were sized for the H200's 227 KiB (the sparse MLA prefill tiles take 216 KiB there); Triton refuses to
+    compile a pipeline that does not fit, as on an A100 (163 KiB) or an Ada GPU (99 KiB). Unmeasured off the H200: it
+    keeps such GPUs compiling, not fast."""
+    budget = shared_memory_per_program()
+    while stages > 1 and stages * stage_bytes + other_bytes > budget:
+        stages -= 1
+    return stages
+
+
 def lacks_fp8_tensor_cores() -> bool:
     """A GPU below compute capability 8.9 (Ampere and older): no e4m3 MMA, no e4m3 type in Triton, no FP8 GEMM in
     cuBLASLt."""

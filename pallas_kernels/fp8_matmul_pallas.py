@@ -43,8 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import (MAX_BYTE_ELEMENTS, as_byte_pairs, first_problem, needs_byte_pairs, next_pow2,
-                        num_sms, pow2_tile_problem, split_byte_pairs)
+from ._dispatch import (MAX_BYTE_ELEMENTS, as_byte_pairs, first_problem, fit_stages, needs_byte_pairs,
+                        next_pow2, num_sms, pow2_tile_problem, split_byte_pairs)
 from .grouped_matmul import default_block_m, make_schedule
 
 
@@ -188,6 +188,8 @@ def _checked_options(block, rows, experts, options, interpret, *, dense=False):
         raise TypeError(f"unknown FP8 kernel options {sorted(unknown)}")
     tiles = {**default_tiles(rows, experts), "byte_pairs": None, **({"split_k": None} if dense else {}),
              **{k: v for k, v in options.items() if v is not None}}
+    if options.get("num_stages") is None:  # e4m3 tiles of both operands per K step, sized for the H200
+        tiles["num_stages"] = fit_stages(tiles["num_stages"], (tiles["block_m"] + tiles["block_n"]) * block[1])
     if (tiles.get("split_k") or 1) < 1:
         raise ValueError(f"split_k must be >= 1, got {tiles['split_k']}")
     if not interpret and (problem := pallas_problem(block, tiles["block_m"], tiles["block_n"])):

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, largest_pow2_divisor, next_pow2, pow2_tile_problem, resolve_impl
+from ._dispatch import dot_precision, fit_stages, largest_pow2_divisor, next_pow2, pow2_tile_problem, resolve_impl
 from .packing import count_at_or_below, prefix_sum
 
 
@@ -106,12 +106,14 @@ def default_block_m(rows: int, experts: int) -> int:
 
 
 def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, block_n: int = 256, block_k: int = 64,
-                          num_warps: int = 8, num_stages: int = 3, interpret: bool = False):
+                          num_warps: int = 8, num_stages: int | None = None, interpret: bool = False):
     # Defaults from bench/dsa_kernels.py on the H200 (2026-11-30): 128x256x64, 8 warps, 3 stages beat 128x128x64
     # (4 warps, 4 stages) on both MoE shapes at 2k and 16k tokens, e.g. 485 vs 439 TFLOP/s at 16k x 256x8.
     M, K = x.shape
     E, K2, N = w.shape
     block_m = block_m or default_block_m(M, E)
+    if num_stages is None:  # 3, or fewer where the x and w tiles of 3 K steps do not fit (`fit_stages`)
+        num_stages = fit_stages(3, (block_m + block_n) * block_k * x.dtype.itemsize)
     if K2 != K:
         raise ValueError(f"x has K={K}, w has K={K2}")
     if not interpret and (problem := pallas_problem(K, block_k)):

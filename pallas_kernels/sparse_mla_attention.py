@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import dot_precision, next_pow2, pow2_tile_problem, resolve_impl
+from ._dispatch import dot_precision, fit_stages, next_pow2, pow2_tile_problem, resolve_impl
 
 
 def logical_to_cache_rows(indices, page_table, seq_ids, page_size: int):
@@ -154,9 +154,12 @@ def decode_splits(num_queries: int, *, heads: int, topk: int, block_h: int = 32)
     return max(1, min(wanted, most))
 
 
-def default_tiles(num_queries: int, dtype, *, heads: int, topk: int, block_h: int = 32) -> dict:
+def default_tiles(num_queries: int, dtype, *, heads: int, topk: int, block_h: int = 32, width: int = 576) -> dict:
+    """Tiles for `num_queries` queries over latent rows of `width` values (512 + 64 in DeepSeek-V3.2) in `dtype`."""
     if num_queries >= PREFILL_MIN_QUERIES and jnp.dtype(dtype).itemsize == 2:
-        return dict(PREFILL_TILES)
+        tiles = dict(PREFILL_TILES)
+        tiles["num_stages"] = fit_stages(tiles["num_stages"], tiles["block_k"] * width * jnp.dtype(dtype).itemsize)
+        return tiles
     return dict(block_k=32, num_stages=1, trim=True,
                 num_splits=decode_splits(num_queries, heads=heads, topk=topk, block_h=block_h))
 
@@ -173,7 +176,7 @@ def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lo
     block_h = min(block_h, H)
     if H % block_h:
         raise ValueError(f"heads {H} must be a multiple of block_h {block_h}")
-    tiles = default_tiles(T, latent_cache.dtype, heads=H, topk=topk, block_h=block_h)
+    tiles = default_tiles(T, latent_cache.dtype, heads=H, topk=topk, block_h=block_h, width=D)
     block_k = tiles["block_k"] if block_k is None else block_k
     num_stages = tiles["num_stages"] if num_stages is None else num_stages
     num_splits = tiles["num_splits"] if num_splits is None else num_splits

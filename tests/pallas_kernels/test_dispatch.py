@@ -109,3 +109,24 @@ def test_fp8_index_keys_run_the_reference_on_a_gpu_without_fp8(monkeypatch, capa
         itk.indexer_topk(q, w, k8, impl="pallas", **kw)
     monkeypatch.setattr(_dispatch, "gpu_capability", lambda: (8, 9))
     assert _dispatch.fp8_problem(k8) is None
+
+
+@pytest.mark.parametrize("capability, mla_stages, fp8_stages", [(None, 3, 4), ((9, 0), 3, 4), ((8, 0), 2, 4),
+                                                                ((8, 9), 1, 3)])
+def test_pipelines_fit_the_gpus_shared_memory(monkeypatch, capability, mla_stages, fp8_stages):
+    """The kernels' default stages, sized for the H200's 227 KiB, shrink to what a program may take elsewhere (A100
+    163 KiB, Ada 99 KiB), where Triton would refuse to compile them; the H200 (and a device that does not say) keeps
+    them. The sparse MLA prefill tiles hold 64 gathered rows of 576 bf16 values a stage (72 KiB); the FP8 kernel's
+    128 x 64 tiles (128 + 64) x 128 e4m3 bytes (24 KiB)."""
+    import jax.numpy as jnp
+
+    fp8_pallas = importlib.import_module("pallas_kernels.fp8_matmul_pallas")
+    monkeypatch.setattr(_dispatch, "gpu_capability", lambda: capability)
+    assert smla.default_tiles(2048, jnp.bfloat16, heads=128, topk=2048)["num_stages"] == mla_stages
+    assert smla.default_tiles(2048, jnp.bfloat16, heads=128, topk=2048, width=288)["num_stages"] == min(
+        3, 2 * mla_stages)  # half-width rows: twice the stages fit, at most the default
+    tiles = fp8_pallas._checked_options((128, 128), 4096, 1, {}, interpret=False, dense=True)
+    assert (tiles["block_m"], tiles["block_n"], tiles["num_stages"]) == (128, 64, fp8_stages)
+    asked = fp8_pallas._checked_options((128, 128), 4096, 1, {"num_stages": 4}, interpret=False, dense=True)
+    assert asked["num_stages"] == 4  # stages asked for are the caller's
+    assert _dispatch.fit_stages(3, 10 ** 6) == 1  # never below one
