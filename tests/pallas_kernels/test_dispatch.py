@@ -130,3 +130,13 @@ def test_pipelines_fit_the_gpus_shared_memory(monkeypatch, capability, mla_stage
     asked = fp8_pallas._checked_options((128, 128), 4096, 1, {"num_stages": 4}, interpret=False, dense=True)
     assert asked["num_stages"] == 4  # stages asked for are the caller's
     assert _dispatch.fit_stages(3, 10 ** 6) == 1  # never below one
+
+
+@pytest.mark.gpu
+def test_the_gpu_states_its_capability():
+    """The kernel choices above read the device's compute capability; a GPU that did not state it would silently get
+    the H200's choices. On the H200: (9, 0), a Hopper, 227 KiB a program."""
+    capability = _dispatch.gpu_capability()
+    assert capability is not None and capability >= (7, 0), capability
+    if capability[0] == 9:
+        assert _dispatch.is_hopper() and _dispatch.shared_memory_per_program() == _dispatch.HOPPER_SHARED_MEMORY
