@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -82,6 +82,11 @@ for what in "$@"; do
           echo "--- JAXMODELS_FP8_CUBLASLT=$1 ${2:-(bf16 weights)}"
           JAXMODELS_FP8_CUBLASLT=$1 bench --config bench/configs/deepseek_v32_4layer.json \
             --phases prefill,decode --batches 1,32 --decode-steps 24 --prefill-chunk 4096 ${2:-} 2>&1 | tail -14
+        done ;;
+    fp8_engine_rows) for rows in 1024 128; do  # DeepSeek FP8 decode at 128 / 256 sequences, cuBLASLt from 1024 rows
+          echo "--- JAXMODELS_FP8_CUBLASLT_MIN_ROWS=$rows"  # (prefill only, the default) or from 128 (decode too)
+          JAXMODELS_FP8_CUBLASLT_MIN_ROWS=$rows bench --config bench/configs/deepseek_v32_4layer.json --phases decode \
+            --batches 128,256 --decode-steps 24 --fp8-block 2>&1 | grep -A4 "^| B |"
         done ;;
     fp8_b1_profile) for fp8 in --fp8-block ""; do  # FP8 against bf16 decode at one sequence, per-op tables
           log="$OUT/b1_profile${fp8:-_bf16}.log"

@@ -94,7 +94,9 @@ MOSAIC_MIN_ROWS = 65
 # 0.077 ms at 128 rows, 0.152 against 0.165 at 512), but the GEMM alone timed slower at 128 rows and below (0.103 ms),
 # which is not understood, and no engine run has measured decode batches on the callback: rows below 1024 stay on the
 # kernels. (End to end, the DeepSeek 4k prefill took 78.8 ms with it and 77.5 without: within the runs' spread.)
-CUBLASLT_MIN_ROWS = 1024
+# JAXMODELS_FP8_CUBLASLT_MIN_ROWS moves the line, to measure decode batches on the library through the engine
+# (`bash bench/h200_runs.sh fp8_engine_rows`).
+CUBLASLT_MIN_ROWS = int(os.environ.get("JAXMODELS_FP8_CUBLASLT_MIN_ROWS", "1024"))
 USE_CUBLASLT = os.environ.get("JAXMODELS_FP8_CUBLASLT", "1") != "0"
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).
 PER_TENSOR_BLOCK = (128, 128)
