@@ -14,6 +14,7 @@ only; summing it over groups would count it dp times.
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -30,5 +31,19 @@ def across_groups(x: jax.Array, dp_axis: str | None, parts: list[tuple[Callable,
     if sliced:
         everyone = lax.all_gather(x, dp_axis, axis=0, tiled=True)
         partial = sum(fn(everyone) for fn in sliced)
-        out = out + lax.psum_scatter(partial, dp_axis, scatter_dimension=0, tiled=True)
+        out = out + _sum_scatter(partial, dp_axis)
     return out
+
+
+def _sum_scatter(partial: jax.Array, dp_axis: str) -> jax.Array:
+    """The sum of every group's `partial` rows, each group keeping its own rows' block.
+
+    On the CPU a 16-bit sum is taken in float32 here: there XLA widens 16-bit all-reduces to float32 itself
+    (AllReducePromotion, after the reduce-scatter became an all-reduce), and under the engine's partly manual
+    shard_map the reducer carries a sharding annotation that pass cannot clone: the process aborts ("Invalid binary
+    instruction opcode copy", jax 0.10.2, a bf16 model at dp=2 on simulated devices). Widening first gives the sum
+    that pass would have given. GPUs reduce in the given dtype (half the bytes)."""
+    if jax.default_backend() == "cpu" and partial.dtype.itemsize < 4:
+        summed = lax.psum_scatter(partial.astype(jnp.float32), dp_axis, scatter_dimension=0, tiled=True)
+        return summed.astype(partial.dtype)
+    return lax.psum_scatter(partial, dp_axis, scatter_dimension=0, tiled=True)

@@ -1,4 +1,4 @@
-"""Sharded on a ("dp", "tp") mesh of 8 simulated CPU devices, the model and the engine give the 1-device results.
+"""Sharded on a ("dp", "tp") mesh of 8 simulated CPU devices (2 for the bf16 check), the model and the engine give the 1-device results.
 
 Each check runs in a subprocess: the simulated device count must be set before jax starts.
 """
@@ -13,8 +13,8 @@ from tests.sharding.sharded_serving_check import MESHES
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_on_8_devices(module: str, directory) -> str:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+def run_on_devices(module: str, directory, devices: int = 8) -> str:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
     result = subprocess.run([sys.executable, "-m", module, str(directory)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=900)
@@ -23,26 +23,33 @@ def run_on_8_devices(module: str, directory) -> str:
 
 
 def test_sharded_forward_equals_unsharded(tmp_path):
-    assert "sharded forward matches" in run_on_8_devices("tests.sharding.sharded_forward_check", tmp_path)
+    assert "sharded forward matches" in run_on_devices("tests.sharding.sharded_forward_check", tmp_path)
 
 
 def test_sharded_serving_equals_one_device(tmp_path):
-    out = run_on_8_devices("tests.sharding.sharded_serving_check", tmp_path)
+    out = run_on_devices("tests.sharding.sharded_serving_check", tmp_path)
     for model in ("nemotron_h_moe", "deepseek_v32"):
         for dp, tp in MESHES:
             assert f"{model}: dp={dp} tp={tp} serves the 1-device tokens" in out
 
 
 def test_speculative_serving_on_a_mesh_equals_one_device(tmp_path):
-    out = run_on_8_devices("tests.sharding.speculative_serving_check", tmp_path)
+    out = run_on_devices("tests.sharding.speculative_serving_check", tmp_path)
     assert "dp=2 tp=2 with speculative decoding serves the 1-device tokens" in out
 
 
 def test_sharded_fp8_serving_follows_one_device(tmp_path):
     """FP8 weights split over the mesh with their scales (tests/sharding/fp8_serving_check.py)."""
-    out = run_on_8_devices("tests.sharding.fp8_serving_check", tmp_path)
+    out = run_on_devices("tests.sharding.fp8_serving_check", tmp_path)
     for model in ("deepseek_v32", "nemotron_h"):
         assert f"{model}: dp=2 tp=2 serves the FP8 checkpoint as one device does" in out
+
+
+def test_bf16_groups_on_the_cpu(tmp_path):
+    """A bf16 model at dp=2 on simulated CPU devices (tests/sharding/bf16_groups_check.py): XLA's CPU compiler
+    aborted the process on its reduce-scatter."""
+    out = run_on_devices("tests.sharding.bf16_groups_check", tmp_path, devices=2)
+    assert "bf16 sum over groups within its rounding" in out and "bf16 dp=2 serves" in out
 
 
 def test_multi_process_job_equals_one_device(tmp_path):
