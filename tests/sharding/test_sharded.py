@@ -1,4 +1,5 @@
-"""Sharded on a ("dp", "tp") mesh of 8 simulated CPU devices (2 for the bf16 check), the model and the engine give the 1-device results.
+"""Sharded on a ("dp", "tp") mesh of 8 simulated CPU devices (2 for the bf16 check), the model and the engine give
+the 1-device results.
 
 Each check runs in a subprocess: the simulated device count must be set before jax starts.
 """
