@@ -267,8 +267,8 @@ def fp8_matmul_xla_fp8(x, w, w_scale, *, input_scale):
 
 def _gpu_paths_or_reference(impl: str, interpret: bool) -> str:
     """`auto` -> "xla" (outside interpret mode) when the GPU paths are switched off (GPU_PATHS_VERIFIED) or the GPU
-    has no FP8 tensor cores (`lacks_fp8_tensor_cores`): the reference then dequantizes the FP8 weights in the step,
-    as weight-only FP8 (the checkpoint's bytes on the device, a bf16 product)."""
+    has no FP8 tensor cores (`lacks_fp8_tensor_cores`): the reference then dequantizes the FP8 weights in the step
+    (the checkpoint's bytes stay on the device) into a float32 dot."""
     if impl != "auto" or interpret:
         return impl
     if lacks_fp8_tensor_cores():
