@@ -67,7 +67,7 @@ def is_hopper() -> bool:
 _SHARED_MEMORY_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227,
                       (10, 0): 227, (12, 0): 99}
 # What the kernels' pipelines (num_stages) were sized for: the H200's.
-HOPPER_SHARED_MEMORY = 227 * 1024
+HOPPER_SHARED_MEMORY = _SHARED_MEMORY_KIB[(9, 0)] * 1024
 
 
 def shared_memory_per_program() -> int:
