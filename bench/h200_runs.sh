@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|hlo_b1|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -83,11 +83,23 @@ for what in "$@"; do
           JAXMODELS_FP8_CUBLASLT=$1 bench --config bench/configs/deepseek_v32_4layer.json \
             --phases prefill,decode --batches 1,32 --decode-steps 24 --prefill-chunk 4096 ${2:-} 2>&1 | tail -14
         done ;;
-    fp8_engine_rows) for rows in 1024 128; do  # DeepSeek FP8 decode at 128 / 256 sequences, cuBLASLt from 1024 rows
-          echo "--- JAXMODELS_FP8_CUBLASLT_MIN_ROWS=$rows"  # (prefill only, the default) or from 128 (decode too)
-          JAXMODELS_FP8_CUBLASLT_MIN_ROWS=$rows bench --config bench/configs/deepseek_v32_4layer.json --phases decode \
-            --batches 128,256 --decode-steps 24 --fp8-block 2>&1 | grep -A4 "^| B |"
+    fp8_engine_rows) for rows in 1024 128; do  # DeepSeek FP8 decode at ${ROWS_BATCHES:-128,256} sequences, cuBLASLt
+          echo "--- JAXMODELS_FP8_CUBLASLT_MIN_ROWS=$rows"  # from 1024 rows (prefill only, the default) or from 128
+          JAXMODELS_FP8_CUBLASLT_MIN_ROWS=$rows timeout 200 python3 -m jaxmodels bench --no-progress \
+            --config bench/configs/deepseek_v32_4layer.json --phases decode --batches "${ROWS_BATCHES:-128,256}" \
+            --decode-steps 24 --fp8-block 2>&1 | grep -A4 "^| B |"
         done ;;
+    nano30b_b1_profile) log="$OUT/nano30b_b1_profile.log"  # one sequence's decode step, per-op table
+        timeout 200 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
+          --phases decode --batches 1 --decode-steps 24 --profile /tmp/prof_n30_b1 > "$log" 2>&1
+        echo "exit $?"; grep -A40 "^| B\|^| category\|^| op" "$log" | head -60 ;;
+    hlo_b1) rm -rf /tmp/hlo_dump; log="$OUT/hlo_b1.log"  # a short model's decode B=1 per-op table beside its
+        # optimized HLO (config, layers: HLO_CONFIG, HLO_LAYERS), to read what the table's fusions compute
+        XLA_FLAGS="--xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text ${XLA_FLAGS:-}" timeout 200 python3 -m jaxmodels \
+          bench --no-progress --config "bench/configs/${HLO_CONFIG:-nemotron_h_nano30b_a3b}.json" \
+          --layers "${HLO_LAYERS:-4}" --phases decode --batches 1 --decode-steps 24 --profile /tmp/prof_hlo > "$log" 2>&1
+        echo "exit $?"; grep -A30 "^| op" "$log" | head -32
+        mkdir -p "$OUT/hlo"; cp /tmp/hlo_dump/*after_optimizations.txt "$OUT/hlo/" 2>/dev/null; ls "$OUT/hlo" | wc -l ;;
     fp8_b1_profile) for fp8 in --fp8-block ""; do  # FP8 against bf16 decode at one sequence, per-op tables
           log="$OUT/b1_profile${fp8:-_bf16}.log"
           timeout 150 python3 -m jaxmodels bench --no-progress --config bench/configs/deepseek_v32_4layer.json \
