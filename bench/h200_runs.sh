@@ -93,13 +93,14 @@ for what in "$@"; do
         timeout 200 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
           --phases decode --batches 1 --decode-steps 24 --profile /tmp/prof_n30_b1 > "$log" 2>&1
         echo "exit $?"; grep -A40 "^| B\|^| category\|^| op" "$log" | head -60 ;;
-    hlo_b1) rm -rf /tmp/hlo_dump; log="$OUT/hlo_b1.log"  # a short model's decode B=1 per-op table beside its
-        # optimized HLO (config, layers: HLO_CONFIG, HLO_LAYERS), to read what the table's fusions compute
-        XLA_FLAGS="--xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text ${XLA_FLAGS:-}" timeout 200 python3 -m jaxmodels \
-          bench --no-progress --config "bench/configs/${HLO_CONFIG:-nemotron_h_nano30b_a3b}.json" \
+    hlo_b1) rm -rf /tmp/hlo_dump; log="$OUT/hlo_b1.log"  # a short model's decode B=1 per-op table, and what its
+        # top fusions compute (bench/hlo_fusions.py on the optimized HLO); config, layers: HLO_CONFIG, HLO_LAYERS
+        XLA_FLAGS="--xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run.* ${XLA_FLAGS:-}" \
+          timeout 200 python3 -m jaxmodels bench --no-progress --config "bench/configs/${HLO_CONFIG:-nemotron_h_nano30b_a3b}.json" \
           --layers "${HLO_LAYERS:-4}" --phases decode --batches 1 --decode-steps 24 --profile /tmp/prof_hlo > "$log" 2>&1
         echo "exit $?"; grep -A30 "^| op" "$log" | head -32
-        mkdir -p "$OUT/hlo"; cp /tmp/hlo_dump/*after_optimizations.txt "$OUT/hlo/" 2>/dev/null; ls "$OUT/hlo" | wc -l ;;
+        python3 bench/hlo_fusions.py /tmp/hlo_dump --table "$log" --top 12 --param "s32[1]" > "$OUT/hlo_b1_fusions.md"
+        echo "fusions: exit $? ($OUT/hlo_b1_fusions.md)" ;;
     fp8_b1_profile) for fp8 in --fp8-block ""; do  # FP8 against bf16 decode at one sequence, per-op tables
           log="$OUT/b1_profile${fp8:-_bf16}.log"
           timeout 150 python3 -m jaxmodels bench --no-progress --config bench/configs/deepseek_v32_4layer.json \
