@@ -395,10 +395,22 @@ def routed_sizes(key, tokens, E, topk):
     return jnp.bincount(choice.reshape(-1), length=E).astype(jnp.int32)
 
 
+GMM_SHAPES = [("DeepSeek 256x8 K7168 N2048", 256, 8, 7168, 2048), ("Nemotron-30B 128x6 K2688 N1856", 128, 6, 2688, 1856)]
+# The down projections, whose K (Nemotron's 1856) is not a power of two, timed at decode only.
+GMM_DOWN_SHAPES = [("DeepSeek 256x8 K2048 N7168", 256, 8, 2048, 7168),
+                   ("Nemotron-30B 128x6 K1856 N2688", 128, 6, 1856, 2688)]
+# Decode tiles: few rows per expert leave few programs with the default 256 columns (Nemotron-30B at one token:
+# 6 experts x 8 column tiles = 48 programs doing work on 132 SMs), so narrower column tiles are in the sweep.
+GMM_DECODE_VARIANTS = [dict(block_m=128), dict(), dict(block_m=32), dict(block_n=128), dict(block_n=128, num_warps=4),
+                       dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=2)]
+
+
 @section
-def bench_gmm(quick):
-    shapes = [("DeepSeek 256x8 K7168 N2048", 256, 8, 7168, 2048), ("Nemotron-30B 128x6 K2688 N1856", 128, 6, 2688, 1856)]
-    for name, E, topk, K, N in shapes:
+def bench_gmm(quick, decode_only=False):
+    for name, E, topk, K, N in GMM_SHAPES + (GMM_DOWN_SHAPES if decode_only else []):
+        if decode_only:
+            bench_gmm_decode(quick, name, E, topk, K, N)
+            continue
         w = (jax.random.normal(jax.random.key(7), (E, K, N)) * K ** -0.5).astype(jnp.bfloat16)
         for tokens in [2048, 16384]:
             M = tokens * topk
@@ -421,27 +433,32 @@ def bench_gmm(quick):
                 t_k = timeit(f, x, w, sizes)
                 row(f"gmm {name} tok={tokens} {opts}", t_k, t_r, floor,
                     f"{flops / t_k / 1e12:.0f} TFLOP/s = {100 * t_d / t_k:.0f}% of dense")
-        # Decode: a few rows per expert, bound by reading the touched experts' weights once.
-        for tokens in [1, 32, 256]:
-            M = tokens * topk
-            x = jax.random.normal(jax.random.key(tokens), (M, K)).astype(jnp.bfloat16)
-            sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
-            touched = int(jnp.sum(sizes > 0))
-            floor = (touched * K * N + M * K + M * N) * 2 / COPY_BANDWIDTH
-            t_r = timeit(jax.jit(grouped_matmul_reference), x, w, sizes)
-            variants = [dict()] if quick else [dict(block_m=128), dict(), dict(block_m=32), dict(block_n=128),
-                                               dict(block_n=128, num_warps=4)]
-            for opts in variants:
-                f = jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, **opts))
-                row(f"gmm {name} decode B={tokens} {opts}", timeit(f, x, w, sizes), t_r, floor,
-                    f"{touched} experts touched")
+        bench_gmm_decode(quick, name, E, topk, K, N, w)
+
+
+def bench_gmm_decode(quick, name, E, topk, K, N, w=None):
+    """A few rows per expert, bound by reading the touched experts' weights once."""
+    if w is None:
+        w = (jax.random.normal(jax.random.key(7), (E, K, N)) * K ** -0.5).astype(jnp.bfloat16)
+    for tokens in [1, 32, 256]:
+        M = tokens * topk
+        x = jax.random.normal(jax.random.key(tokens), (M, K)).astype(jnp.bfloat16)
+        sizes = routed_sizes(jax.random.key(tokens + 1), tokens, E, topk)
+        touched = int(jnp.sum(sizes > 0))
+        floor = (touched * K * N + M * K + M * N) * 2 / COPY_BANDWIDTH
+        t_r = timeit(jax.jit(grouped_matmul_reference), x, w, sizes)
+        for opts in [dict()] if quick else GMM_DECODE_VARIANTS:
+            f = jax.jit(lambda a, b, c: grouped_matmul_pallas(a, b, c, **opts))
+            row(f"gmm {name} decode B={tokens} {opts}", timeit(f, x, w, sizes), t_r, floor,
+                f"{touched} experts touched")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one variant and one context per section")
-    ap.add_argument("--only", default="", help="comma list of sections: select,indexer,mla (decode and prefill),mla_decode,mla_prefill,gmm")
+    ap.add_argument("--only", default="", help="comma list of sections: select,indexer,mla (decode and prefill),"
+                    "mla_decode,mla_prefill,gmm,gmm_decode (decode rows only, up and down projections)")
     ap.add_argument("--log", default=None)
     ap.add_argument("--ctx", default="8192,32768,131072", help="indexer contexts")
     ap.add_argument("--indexer-kinds", default="decode,prefill", help="indexer cases: decode (B=1, 32), prefill")
@@ -456,13 +473,15 @@ def main():
     want = lambda s: not only or s in only  # noqa: E731
     if args.check:
         for names, fn in [(["select"], check_select), (["indexer"], check_indexer),
-                          (["mla", "mla_decode"], check_sparse_mla), (["gmm"], check_gmm)]:
+                          (["mla", "mla_decode"], check_sparse_mla), (["gmm", "gmm_decode"], check_gmm)]:
             if any(map(want, names)):
                 fn()
     if want("select"):
         bench_select(args.quick)
     if want("gmm"):
         bench_gmm(args.quick)
+    if "gmm_decode" in only:  # (a full run's gmm section times the up projections' decode rows already)
+        bench_gmm(args.quick, decode_only=True)
     if want("mla") or want("mla_decode"):
         bench_sparse_mla(args.quick)
     if want("mla") or want("mla_prefill"):
