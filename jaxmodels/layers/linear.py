@@ -36,7 +36,7 @@ def reduces_vector_products() -> bool:
 
 
 def linear(in_features: int, out_features: int, *, axes: tuple[str, str], rngs: nnx.Rngs, bias: bool = False,
-           dtype=jnp.float32, precision=None) -> "Linear":
+           dtype=jnp.float32, precision=None) -> Linear:
     """A `Linear` (an `nnx.Linear`) whose parameters and arithmetic are in `dtype`.
 
     `axes` names the kernel's logical axes (in, out), which sharding.rules maps to mesh axes. A bias is declared
