@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels._dispatch import on_gpu
+
 # XLA's GPU simplifier turns a product of one row with a weight into multiply + reduce when the two hold fewer than
 # this many elements together, and on the H200 the multiply is not fused into the column reduce that follows: the
 # weight-sized product goes to memory and back. Nano-30B's shared expert (2688 x 3712, just under) took four fusions,
@@ -32,7 +34,7 @@ class Linear(nnx.Linear):
 
 def reduces_vector_products() -> bool:
     """Whether the compiler rewrites small vector-matrix products (XLA's GPU compiler does; its CPU one does not)."""
-    return jax.default_backend() == "gpu"
+    return on_gpu()
 
 
 def linear(in_features: int, out_features: int, *, axes: tuple[str, str], rngs: nnx.Rngs, bias: bool = False,
