@@ -407,10 +407,11 @@ GMM_DECODE_VARIANTS = [dict(block_m=128), dict(), dict(block_m=32), dict(block_n
 
 @section
 def bench_gmm(quick, decode_only=False):
-    for name, E, topk, K, N in GMM_SHAPES + (GMM_DOWN_SHAPES if decode_only else []):
-        if decode_only:
-            bench_gmm_decode(quick, name, E, topk, K, N)
-            continue
+    if decode_only:
+        for shape in GMM_SHAPES + GMM_DOWN_SHAPES:
+            bench_gmm_decode(quick, *shape)
+        return
+    for name, E, topk, K, N in GMM_SHAPES:
         w = (jax.random.normal(jax.random.key(7), (E, K, N)) * K ** -0.5).astype(jnp.bfloat16)
         for tokens in [2048, 16384]:
             M = tokens * topk
