@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -119,6 +119,17 @@ for what in "$@"; do
         --ctx 131072 --log "$OUT/idx_decode.log" 2>&1 | grep -v Warning | grep "indexer" | tail -40 ;;
     gmm_decode) timeout "${GMM_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only gmm_decode \
         --log "$OUT/gmm_decode.log" 2>&1 | grep -v Warning | grep "decode B=\|FAILED\|check" | tail -60 ;;
+    # Decode at 1 and 256 sequences with per-op profiles (device kernels per step, device idle, host events), for
+    # each config of PROFILE_CONFIGS (file names in bench/configs).
+    decode_profile) for config in ${PROFILE_CONFIGS:-nemotron_h_nano30b_a3b nemotron_h_nano9b}; do
+          log="$OUT/decode_profile_$config.log"
+          timeout "${PROFILE_TIMEOUT:-240}" python3 -m jaxmodels bench --no-progress --config "bench/configs/$config.json" \
+            --phases decode --batches "${PROFILE_BATCHES:-1,256}" --decode-steps 24 --profile "/tmp/prof_$config" \
+            > "$log" 2>&1
+          echo "--- $config exit $?"; grep -A4 "^| B |" "$log"; grep "^device time\|^device busy" "$log"
+          grep -A12 "^| category" "$log"; done ;;
+    # The GPU tests of the files named in QUICK_TESTS (pytest node ids), in 8 workers as the suite runs.
+    quick_tests) OUT="$OUT/quick" GPU_CHECK_TESTS="$QUICK_TESTS" bash "$0" suite ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
   esac
 done

@@ -273,7 +273,8 @@ def profile_phases(llm, args, phases, vocab, rng, directory: str) -> None:
     """Per-op tables of the measured phases: decode at the sweep's smallest and largest batch, and the prefill
     prompt (the engine is sized for the phases asked for, so a phase not measured is not profiled either)."""
     from jaxmodels import SamplingParams
-    from jaxmodels.profiling import HOST, format_host_table, format_op_table, op_table
+    from jaxmodels.profiling import (
+        HOST, device_occupancy, format_host_table, format_occupancy, format_op_table, op_table)
 
     steps = 8
     if "decode" in phases:
@@ -282,6 +283,7 @@ def profile_phases(llm, args, phases, vocab, rng, directory: str) -> None:
             profile_decode(llm, batch, args.prompt_len, steps, vocab, rng, path)
             print(f"\n## profile: decode B={batch}, {steps} steady steps")
             print(format_op_table(op_table(path, FIRST_DEVICE), steps=steps))
+            print(format_occupancy(*device_occupancy(path, FIRST_DEVICE), steps=steps))
             print(format_host_table(op_table(path, HOST), steps=steps))
     if "prefill" not in phases:
         return

@@ -3,6 +3,7 @@
     with jax.profiler.trace(directory, create_perfetto_trace=True):
         ...                          # the steps to look at
     print(format_op_table(op_table(directory), steps=n))
+    print(format_occupancy(*device_occupancy(directory), steps=n))
     print(format_host_table(op_table(directory, HOST), steps=n))
 
 The perfetto trace (`plugins/profile/<run>/perfetto_trace.json.gz`) holds complete events ("ph": "X") per process;
@@ -69,18 +70,44 @@ def load_events(path: str) -> tuple[list[dict], dict[int, str]]:
     return events, processes
 
 
-def op_table(directory: str, process_pattern: str = r"/device:") -> list[OpTime]:
-    """Ops of the processes whose name matches `process_pattern` (device streams by default), longest first."""
+def _complete_events(directory: str, process_pattern: str):
+    """The complete ("X") events of the processes whose name matches `process_pattern`."""
     events, processes = load_events(find_trace(directory))
     wanted = {pid for pid, name in processes.items() if re.search(process_pattern, name)}
+    return [event for event in events if event.get("ph") == "X" and event.get("pid") in wanted]
+
+
+def op_table(directory: str, process_pattern: str = r"/device:") -> list[OpTime]:
+    """Ops of the processes whose name matches `process_pattern` (device streams by default), longest first."""
     totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
-    for event in events:
-        if event.get("ph") == "X" and event.get("pid") in wanted:
-            entry = totals[event["name"]]
-            entry[0] += float(event.get("dur", 0.0))
-            entry[1] += 1
+    for event in _complete_events(directory, process_pattern):
+        entry = totals[event["name"]]
+        entry[0] += float(event.get("dur", 0.0))
+        entry[1] += 1
     ops = [OpTime(name, categorize(name), total, count) for name, (total, count) in totals.items()]
     return sorted(ops, key=lambda op: -op.total_us)
+
+
+def device_occupancy(directory: str, process_pattern: str = r"/device:") -> tuple[float, float]:
+    """(busy_us, span_us): the union of the device's kernel intervals, and the time from the first kernel's start to
+    the last one's end. span - busy is time the device sat idle between kernels: the launch gaps inside a step's
+    CUDA graph, and any wait for the host between steps (what the host's share of a step costs, when it costs)."""
+    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                       for e in _complete_events(directory, process_pattern))
+    if not intervals:
+        return 0.0, 0.0
+    busy, (start, end) = 0.0, intervals[0]
+    for s, e in intervals[1:]:
+        if s > end:  # a gap: close the busy run
+            busy, start = busy + end - start, s
+        end = max(end, e)  # the latest end so far
+    return busy + end - start, end - intervals[0][0]
+
+
+def format_occupancy(busy_us: float, span_us: float, *, steps: int = 1) -> str:
+    idle = 1 - busy_us / span_us if span_us else 0.0
+    return (f"device busy {busy_us / steps / 1e3:.3f} ms of {span_us / steps / 1e3:.3f} ms per step "
+            f"(first kernel to last): idle {idle:.1%}")
 
 
 def format_op_table(ops: list[OpTime], *, steps: int = 1, top: int = 20) -> str:
@@ -89,7 +116,9 @@ def format_op_table(ops: list[OpTime], *, steps: int = 1, top: int = 20) -> str:
     by_category: dict[str, float] = collections.defaultdict(float)
     for op in ops:
         by_category[op.category] += op.total_us
-    lines = [f"device time {total / steps / 1e3:.3f} ms per step over {steps} step(s)", "",
+    kernels = sum(op.count for op in ops) / steps
+    lines = [f"device time {total / steps / 1e3:.3f} ms per step over {steps} step(s), {kernels:.0f} kernels per step",
+             "",
              "| category | ms / step | share |", "|---|---|---|"]
     for category, us in sorted(by_category.items(), key=lambda item: -item[1]):
         lines.append(f"| {category} | {us / steps / 1e3:.3f} | {us / total:.1%} |")

@@ -112,8 +112,7 @@ def pallas_problem(kernel_size: int) -> str | None:
     return f"conv kernel size {kernel_size} < 2" if kernel_size < 2 else None
 
 
-def _check(x, weight, bias):
-    Cdim = x.shape[-1]
+def _check(Cdim: int, weight, bias):
     if weight.ndim != 2 or weight.shape[0] != Cdim:
         raise ValueError(f"weight must be [C={Cdim}, K], got {weight.shape}")
     if bias is not None and bias.shape != (Cdim,):
@@ -123,7 +122,7 @@ def _check(x, weight, bias):
 def causal_conv1d(x, weight, bias, *, cu_seqlens, initial_states=None, activation="silu", impl="auto",
                   interpret=False):
     """Packed depthwise causal conv: x[T,C], weight[C,K], bias[C] -> (y[T,C], final_states[S,C,K-1])."""
-    _check(x, weight, bias)
+    _check(x.shape[-1], weight, bias)
     _check_activation(activation)
     S = cu_seqlens.shape[0] - 1
     K = weight.shape[1]
@@ -139,17 +138,25 @@ def causal_conv1d(x, weight, bias, *, cu_seqlens, initial_states=None, activatio
                                 activation=activation, interpret=interpret)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias, *, slot_ids, activation="silu", impl="auto",
+def causal_conv1d_update(x, conv_state, weight, bias, *, slot_ids, activation="silu", x_offset=0, impl="auto",
                          interpret=False):
-    """Decode step: x[B,C], conv_state[slots,C,K-1] -> (y[B,C], conv_state), through slot_ids[B]."""
-    _check(x, weight, bias)
+    """Decode step: x[B,C], conv_state[slots,C,K-1] -> (y[B,C], conv_state), through slot_ids[B].
+
+    x may be wider than the conv: its columns x_offset .. x_offset + C are the input (C = weight.shape[0]), so a
+    packed projection goes in whole; on the GPU a slice of it would be a copy kernel of its own.
+    """
+    C = weight.shape[0]
+    if x_offset < 0 or x.shape[-1] < x_offset + C:
+        raise ValueError(f"x{x.shape} has no columns {x_offset}..{x_offset + C} for a conv of {C} channels")
+    _check(C, weight, bias)
     _check_activation(activation)
-    if conv_state.shape[1:] != (x.shape[1], weight.shape[1] - 1):
-        raise ValueError(f"conv_state must be [slots, {x.shape[1]}, {weight.shape[1] - 1}], got {conv_state.shape}")
+    if conv_state.shape[1:] != (C, weight.shape[1] - 1):
+        raise ValueError(f"conv_state must be [slots, {C}, {weight.shape[1] - 1}], got {conv_state.shape}")
     which = resolve_impl(impl, interpret, pallas_problem(weight.shape[1]), "causal_conv1d_update")
     if which == "xla":
-        return causal_conv1d_update_xla(x, conv_state, weight, bias, slot_ids=slot_ids, activation=activation)
+        return causal_conv1d_update_xla(x[:, x_offset:x_offset + C], conv_state, weight, bias, slot_ids=slot_ids,
+                                        activation=activation)
     from pallas_kernels.causal_conv1d_pallas import causal_conv1d_update_pallas
 
     return causal_conv1d_update_pallas(x, conv_state, weight, bias, slot_ids=slot_ids, activation=activation,
-                                       interpret=interpret)
+                                       x_offset=x_offset, interpret=interpret)

@@ -141,13 +141,13 @@ def causal_conv1d_pallas(x, weight, bias, *, cu_seqlens, initial_states=None, ac
                         block_c=block_c, num_warps=num_warps, interpret=interpret)
 
 
-def _update_kernel(slot_ref, x_ref, w_ref, bias_ref, state_in_ref, y_ref, state_ref, *, C, K, BC, activation):
+def _update_kernel(slot_ref, x_ref, w_ref, bias_ref, state_in_ref, y_ref, state_ref, *, C, K, BC, activation, x_off):
     del state_in_ref  # aliased to state_ref
     b = pl.program_id(0)
     c0 = pl.program_id(1) * BC
     cmask = (c0 + lax.broadcasted_iota(jnp.int32, (BC,), 0)) < C
     slot = slot_ref[b]
-    x = plgpu.load(x_ref.at[b, pl.ds(c0, BC)], mask=cmask, other=0.0)
+    x = plgpu.load(x_ref.at[b, pl.ds(x_off + c0, BC)], mask=cmask, other=0.0)
     cols = [plgpu.load(state_ref.at[slot, pl.ds(c0, BC), jnp.int32(i)], mask=cmask, other=0.0)
             for i in range(K - 1)]
     window = cols + [x.astype(state_ref.dtype)]  # the new input rounded to the state dtype, as it will be stored
@@ -160,11 +160,11 @@ def _update_kernel(slot_ref, x_ref, w_ref, bias_ref, state_in_ref, y_ref, state_
         plgpu.store(state_ref.at[slot, pl.ds(c0, BC), jnp.int32(i)], window[i + 1], mask=cmask)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_c", "num_warps", "interpret"))
-def _update_pallas(x, conv_state, weight, bias, slot_ids, *, activation, block_c, num_warps, interpret):
-    Bsz, C = x.shape
-    K = weight.shape[1]
-    kernel = functools.partial(_update_kernel, C=C, K=K, BC=block_c, activation=activation)
+@functools.partial(jax.jit, static_argnames=("activation", "x_offset", "block_c", "num_warps", "interpret"))
+def _update_pallas(x, conv_state, weight, bias, slot_ids, *, activation, x_offset, block_c, num_warps, interpret):
+    Bsz = x.shape[0]
+    C, K = weight.shape
+    kernel = functools.partial(_update_kernel, C=C, K=K, BC=block_c, activation=activation, x_off=x_offset)
     return pl.pallas_call(
         kernel,
         grid=(Bsz, pl.cdiv(C, block_c)),
@@ -176,10 +176,11 @@ def _update_pallas(x, conv_state, weight, bias, slot_ids, *, activation, block_c
     )(slot_ids.astype(jnp.int32), x, weight, jnp.zeros((C,), _f32) if bias is None else bias, conv_state)
 
 
-def causal_conv1d_update_pallas(x, conv_state, weight, bias, *, slot_ids, activation="silu", interpret=False,
-                                block_c=256, num_warps=4):
+def causal_conv1d_update_pallas(x, conv_state, weight, bias, *, slot_ids, activation="silu", x_offset=0,
+                                interpret=False, block_c=256, num_warps=4):
+    """x[B, >= x_offset + C]: the conv's input is its columns x_offset .. x_offset + C (C = weight.shape[0])."""
     if weight.shape[1] < 2:
         raise ValueError("the conv kernel needs K >= 2")
-    block_c = min(block_c, max(16, next_pow2(x.shape[1])))
-    return _update_pallas(x, conv_state, weight, bias, slot_ids, activation=activation, block_c=block_c,
-                          num_warps=num_warps, interpret=interpret)
+    block_c = min(block_c, max(16, next_pow2(weight.shape[0])))
+    return _update_pallas(x, conv_state, weight, bias, slot_ids, activation=activation, x_offset=x_offset,
+                          block_c=block_c, num_warps=num_warps, interpret=interpret)

@@ -41,14 +41,12 @@ def make_schedule(group_sizes, M: int, block_m: int):
     Segment s covers rows [start_s, end_s); item i handles the rows of segment s that fall in its row tile.
     """
     E = group_sizes.shape[0]
-    sizes = group_sizes.astype(jnp.int32)
-    total = jnp.sum(sizes)
-    seg_sizes = jnp.concatenate([sizes, (M - total)[None]])  # groups, then the zero tail
-    seg_end = prefix_sum(seg_sizes)
-    seg_start = seg_end - seg_sizes
+    # Segment ends: the groups' running totals, then M for the zero tail (sum(group_sizes) <= M).
+    seg_end = jnp.concatenate([prefix_sum(group_sizes.astype(jnp.int32)), jnp.full((1,), M, jnp.int32)])
+    seg_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), seg_end[:-1]])
     first_tile = seg_start // block_m
     last_tile = (seg_end - 1) // block_m
-    n_tiles = jnp.where(seg_sizes > 0, last_tile - first_tile + 1, 0)
+    n_tiles = jnp.where(seg_end > seg_start, last_tile - first_tile + 1, 0)
     num_items = pl.cdiv(M, block_m) + E  # each segment boundary adds at most one shared tile
     item_end = prefix_sum(n_tiles)
     item_first = item_end - n_tiles  # first item index of each segment
@@ -56,7 +54,7 @@ def make_schedule(group_sizes, M: int, block_m: int):
     # The segment of item i: segments own consecutive items, so it is the count of segments ending at or before i
     # (items past the last used one land on E + 1 and are masked as unused below).
     item_seg = jnp.minimum(count_at_or_below(item_end, i), E)
-    used = i < jnp.sum(n_tiles)
+    used = i < item_end[-1]
     tile = first_tile[item_seg] + (i - item_first[item_seg])
     row_start = jnp.maximum(seg_start[item_seg], tile * block_m)
     row_end = jnp.minimum(seg_end[item_seg], (tile + 1) * block_m)
@@ -105,13 +103,24 @@ def default_block_m(rows: int, experts: int) -> int:
     return min(128, max(16, next_pow2(mean)))
 
 
-def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, block_n: int = 256, block_k: int = 64,
-                          num_warps: int = 8, num_stages: int | None = None, interpret: bool = False):
-    # Defaults from bench/dsa_kernels.py on the H200 (2026-11-30): 128x256x64, 8 warps, 3 stages beat 128x128x64
-    # (4 warps, 4 stages) on both MoE shapes at 2k and 16k tokens, e.g. 485 vs 439 TFLOP/s at 16k x 256x8.
+def default_columns(rows: int, experts: int) -> tuple[int, int]:
+    """(block_n, num_warps). 256 columns on 8 warps, from bench/dsa_kernels.py on the H200 (2026-11-30):
+    128x256x64, 8 warps, 3 stages beat 128x128x64 (4 warps, 4 stages) on both MoE shapes at 2k and 16k tokens, e.g.
+    485 vs 439 TFLOP/s at 16k x 256x8. With fewer rows than experts (decode at a few sequences: each touched
+    expert has about one row, and its weights are the whole cost) 128 columns on 4 warps: twice the programs, each
+    reading half the slab. `--only gmm_decode`, 2026-12-01, one token: Nemotron-30B down projection 0.074 -> 0.057
+    ms, DeepSeek up 0.108 -> 0.099, the others within 4%; from 32 sequences the two tilings were within 2%."""
+    return (128, 4) if rows < experts else (256, 8)
+
+
+def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, block_n: int | None = None,
+                          block_k: int = 64, num_warps: int | None = None, num_stages: int | None = None,
+                          interpret: bool = False):
     M, K = x.shape
     E, K2, N = w.shape
     block_m = block_m or default_block_m(M, E)
+    default_n, default_warps = default_columns(M, E)
+    block_n, num_warps = block_n or default_n, num_warps or default_warps
     if num_stages is None:  # 3, or fewer where the x and w tiles of 3 K steps do not fit (`fit_stages`)
         num_stages = fit_stages(3, (block_m + block_n) * block_k * x.dtype.itemsize)
     if K2 != K:

@@ -78,6 +78,35 @@ def ssd_state_update(state, x, dt, A, B, C, *, D, dt_bias, slot_ids, dt_softplus
                                    dt_softplus=dt_softplus, interpret=interpret)
 
 
+def ssd_state_update_packed(state, xbc, dt, A_log, *, n_groups, dt_offset=0, D, dt_bias, slot_ids,
+                            dt_softplus=True, impl="auto", interpret=False):
+    """The decode step on Mamba2's packed tensors: xbc[B, H*P + 2*G*N] (the conv output x‖B‖C), the raw dt as the
+    columns dt[:, dt_offset : dt_offset + H] (in_proj's whole output may be passed), and A = -exp(A_log).
+    -> (y[B,H,P], state), equal to `ssd_state_update` on the pieces.
+
+    Why a second entry: on the GPU, each piece sliced out of a packed tensor for a custom call is a copy kernel of
+    its own (four per Mamba layer and decode step), and A = -exp(A_log) one more; the kernel reads the pieces at
+    their offsets instead. H, P and N come from the state pool [slots, H, P, N].
+    """
+    Bsz = xbc.shape[0]
+    H, P, N = state.shape[1:]
+    G = n_groups
+    if xbc.shape[1] != H * P + 2 * G * N or H % G or A_log.shape != (H,) or dt.shape[1] < dt_offset + H:
+        raise ValueError(f"shape mismatch: state{state.shape} xbc{xbc.shape} dt{dt.shape} (offset {dt_offset}) "
+                         f"A_log{A_log.shape} groups {G}")
+    if resolve_impl(impl, interpret, kernel="ssd_state_update") == "xla":
+        x, B, C = jnp.split(xbc, [H * P, H * P + G * N], axis=-1)
+        return ssd_state_update_xla(
+            state, x.reshape(Bsz, H, P), dt[:, dt_offset:dt_offset + H], -jnp.exp(A_log.astype(jnp.float32)),
+            B.reshape(Bsz, G, N), C.reshape(Bsz, G, N), D=D, dt_bias=dt_bias, slot_ids=slot_ids,
+            dt_softplus=dt_softplus)
+    from pallas_kernels.mamba_state_update_pallas import ssd_state_update_packed_pallas
+
+    return ssd_state_update_packed_pallas(state, xbc, dt, A_log, n_groups=G, dt_offset=dt_offset, D=D,
+                                          dt_bias=dt_bias, slot_ids=slot_ids, dt_softplus=dt_softplus,
+                                          interpret=interpret)
+
+
 @jax.jit
 def ssd_state_advance(state, x, dt, A, B, *, slot_ids, lengths):
     """Advance each slot's state by the first lengths[s] of its L tokens, the decode recurrence token by token:

@@ -8,6 +8,10 @@ the same buffer (input_output_aliases: the donated pool is updated in place) and
 Requests with slot id 0 (padding) read and write slot 0 only; several may race on it, which only makes the null
 slot's garbage nondeterministic. P is tiled by its largest power-of-two divisor (80 -> 16, 64 -> 32, capped at 32), so
 no lanes are wasted on padding; N is padded up to a power of two by masked loads.
+
+x, dt, B and C are read as rows of 2-D arrays at static column offsets, so the model can hand over its packed
+tensors (the conv output x‖B‖C, in_proj's output for dt) without slicing them apart: on the GPU each slice that feeds
+a custom call is a copy kernel of its own.
 """
 
 from __future__ import annotations
@@ -26,19 +30,20 @@ _f32 = jnp.float32
 
 
 def _update_kernel(slot_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, state_in_ref, y_ref, state_ref, *,
-                   P, N, R, BP, BN, npb, dt_softplus):
+                   P, N, R, BP, BN, npb, dt_softplus, a_log, x_off, b_off, c_off, dt_off):
     del state_in_ref  # aliased to state_ref
     b = pl.program_id(0)
     h, g, p0, pmask, nmask, pn_mask = head_tile(pl.program_id(1), npb=npb, BP=BP, BN=BN, P=P, N=N, R=R)
     slot = slot_ref[b]
 
-    dt = dt_ref[b, h].astype(_f32) + dtb_ref[h].astype(_f32)
+    dt = dt_ref[b, dt_off + h].astype(_f32) + dtb_ref[h].astype(_f32)
     if dt_softplus:
         dt = softplus(dt)
-    decay = jnp.exp(dt * a_ref[h].astype(_f32))
-    x = plgpu.load(x_ref.at[b, h, pl.ds(p0, BP)], mask=pmask, other=0.0).astype(_f32)
-    bv = plgpu.load(b_ref.at[b, g, pl.ds(0, BN)], mask=nmask, other=0.0).astype(_f32)
-    cv = plgpu.load(c_ref.at[b, g, pl.ds(0, BN)], mask=nmask, other=0.0).astype(_f32)
+    a = a_ref[h].astype(_f32)
+    decay = jnp.exp(dt * (-jnp.exp(a) if a_log else a))
+    x = plgpu.load(x_ref.at[b, pl.ds(x_off + h * P + p0, BP)], mask=pmask, other=0.0).astype(_f32)
+    bv = plgpu.load(b_ref.at[b, pl.ds(b_off + g * N, BN)], mask=nmask, other=0.0).astype(_f32)
+    cv = plgpu.load(c_ref.at[b, pl.ds(c_off + g * N, BN)], mask=nmask, other=0.0).astype(_f32)
     tile = state_ref.at[slot, h, pl.ds(p0, BP), pl.ds(0, BN)]
     st = plgpu.load(tile, mask=pn_mask, other=0.0).astype(_f32)
     st = st * decay + (dt * x)[:, None] * bv[None, :]
@@ -47,14 +52,19 @@ def _update_kernel(slot_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref,
     plgpu.store(y_ref.at[b, h, pl.ds(p0, BP)], y.astype(y_ref.dtype), mask=pmask)
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "block_p", "num_warps", "interpret"))
-def _update_pallas(state, x, dt, A, B, C, D, dt_bias, slot_ids, *, dt_softplus, block_p, num_warps, interpret):
-    Bsz, H, P = x.shape
-    G, N = B.shape[1:]
+@functools.partial(jax.jit, static_argnames=("G", "offsets", "dt_softplus", "a_log", "block_p", "num_warps",
+                                             "interpret"))
+def _update_pallas(state, x, dt, A, B, C, D, dt_bias, slot_ids, *, G, offsets, dt_softplus, a_log, block_p, num_warps,
+                   interpret):
+    """x, dt, B, C: 2-D [batch, columns]; offsets = their first columns (x, B, C, dt)."""
+    H, P, N = state.shape[1:]
+    Bsz = x.shape[0]
     BP = largest_pow2_divisor(P, block_p)  # no masked-off lanes
     npb = P // BP
     BN = next_pow2(N)
-    kernel = functools.partial(_update_kernel, P=P, N=N, R=H // G, BP=BP, BN=BN, npb=npb, dt_softplus=dt_softplus)
+    x_off, b_off, c_off, dt_off = offsets
+    kernel = functools.partial(_update_kernel, P=P, N=N, R=H // G, BP=BP, BN=BN, npb=npb, dt_softplus=dt_softplus,
+                               a_log=a_log, x_off=x_off, b_off=b_off, c_off=c_off, dt_off=dt_off)
     return pl.pallas_call(
         kernel,
         grid=(Bsz, H * npb),
@@ -66,10 +76,26 @@ def _update_pallas(state, x, dt, A, B, C, D, dt_bias, slot_ids, *, dt_softplus, 
     )(slot_ids.astype(jnp.int32), x, dt, A, D, dt_bias, B, C, state)
 
 
+def _defaults(H, D, dt_bias):
+    return (jnp.zeros((H,), _f32) if D is None else D), (jnp.zeros((H,), _f32) if dt_bias is None else dt_bias)
+
+
 def ssd_state_update_pallas(state, x, dt, A, B, C, *, D, dt_bias, slot_ids, dt_softplus=True, interpret=False,
                             block_p=32, num_warps=4):
-    H = x.shape[1]
-    D = jnp.zeros((H,), _f32) if D is None else D
-    dt_bias = jnp.zeros((H,), _f32) if dt_bias is None else dt_bias
-    return _update_pallas(state, x, dt, A, B, C, D, dt_bias, slot_ids, dt_softplus=dt_softplus, block_p=block_p,
-                          num_warps=num_warps, interpret=interpret)
+    Bsz, H, P = x.shape
+    G = B.shape[1]
+    D, dt_bias = _defaults(H, D, dt_bias)
+    flat = lambda a: a.reshape(Bsz, -1)  # free: row-major
+    return _update_pallas(state, flat(x), dt, A, flat(B), flat(C), D, dt_bias, slot_ids, G=G, offsets=(0, 0, 0, 0),
+                          dt_softplus=dt_softplus, a_log=False, block_p=block_p, num_warps=num_warps,
+                          interpret=interpret)
+
+
+def ssd_state_update_packed_pallas(state, xbc, dt, A_log, *, n_groups, dt_offset, D, dt_bias, slot_ids,
+                                   dt_softplus=True, interpret=False, block_p=32, num_warps=4):
+    H, P, N = state.shape[1:]
+    D, dt_bias = _defaults(H, D, dt_bias)
+    offsets = (0, H * P, H * P + n_groups * N, dt_offset)
+    return _update_pallas(state, xbc, dt, A_log, xbc, xbc, D, dt_bias, slot_ids, G=n_groups, offsets=offsets,
+                          dt_softplus=dt_softplus, a_log=True, block_p=block_p, num_warps=num_warps,
+                          interpret=interpret)

@@ -21,8 +21,20 @@ import jax.numpy as jnp
 from jax import lax
 
 
+SHORT_PREFIX_SUM = 1024  # longest integer vector summed as one masked reduction
+
+
 def prefix_sum(x, axis: int = 0):
-    """Inclusive prefix sum along `axis`, as a log-depth tree of slices and adds (no loop on any jax version)."""
+    """Inclusive prefix sum along `axis`, without a loop on any jax version.
+
+    A short integer vector (the per-expert and per-sequence counts of the step programs' schedules) is summed as one
+    masked reduction, out[i] = sum(x[j] for j <= i): n² adds, but one fused kernel, where the log-depth tree of
+    slices and adds that everything else takes is a kernel per level on the GPU, each a node of the step's graph.
+    Integer sums are exact in any order, so both forms give the same values."""
+    n = x.shape[axis]
+    if x.ndim == 1 and jnp.issubdtype(x.dtype, jnp.integer) and n <= SHORT_PREFIX_SUM:
+        j = jnp.arange(n)
+        return jnp.sum(jnp.where(j[None, :] <= j[:, None], x[None, :], 0), axis=1, dtype=x.dtype)
     return lax.associative_scan(jnp.add, x, axis=axis)
 
 

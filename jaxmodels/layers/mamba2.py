@@ -156,14 +156,17 @@ class Mamba2Mixer(nnx.Module):
         No `time_step_min` floor here: transformers' recurrent (decode) path applies none, and greedy parity with
         it is the contract. Slot 0 is the null slot of padded requests.
         """
-        gate, xbc, dt = self._project(hidden)
+        # The kernels read their pieces of the packed tensors at column offsets (and A from A_log) instead of
+        # taking slices: on the GPU each slice would be a copy kernel, five a layer in every decode step.
+        projected = self.in_proj(hidden)
         xbc, conv_pool = pallas_kernels.causal_conv1d_update(
-            xbc, conv_pool, self.conv1d.weight[...], self._conv_bias(), slot_ids=slot_ids, activation="silu")
-        x, B, C = self._split_xbc(xbc)
-        y, ssm_pool = pallas_kernels.ssd_state_update(
-            ssm_pool, x, dt, self._A(), B, C, D=self.D[...], dt_bias=self.dt_bias[...], slot_ids=slot_ids,
+            projected, conv_pool, self.conv1d.weight[...], self._conv_bias(), slot_ids=slot_ids, activation="silu",
+            x_offset=self.intermediate)
+        y, ssm_pool = pallas_kernels.ssd_state_update_packed(
+            ssm_pool, xbc, projected, self.A_log[...], n_groups=self.n_groups,
+            dt_offset=self.intermediate + self.conv_dim, D=self.D[...], dt_bias=self.dt_bias[...], slot_ids=slot_ids,
             dt_softplus=True)
-        return self._output(y, gate, hidden.dtype), conv_pool, ssm_pool
+        return self._output(y, projected[:, :self.intermediate], hidden.dtype), conv_pool, ssm_pool
 
     def forward_verify(self, hidden: jax.Array, step: StepContext, cache: MambaCache):
         """A verify step's L tokens per request, hidden[S*L, D] -> (out[S*L, D], MambaVerifyCache): outputs from

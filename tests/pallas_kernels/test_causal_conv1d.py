@@ -136,3 +136,21 @@ def test_update_padding_rows_do_not_change_real_results(impl):
     y3, s3 = causal_conv1d_update(x, state, w, b, slot_ids=jnp.asarray([0, 2, 0], jnp.int32), **kw)
     assert np.array_equal(np.asarray(y1[0]), np.asarray(y3[1]))
     assert np.array_equal(np.asarray(s1)[1:], np.asarray(s3)[1:])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_update_reads_its_columns_of_a_wider_input(impl):
+    """x_offset: the conv input as columns of a packed projection gives what the sliced input gives, bit for bit."""
+    slots, Cd, K = 5, 12, 4
+    rng = np.random.default_rng(11)
+    state = jnp.asarray(rng.standard_normal((slots, Cd, K - 1)), jnp.float32)
+    wide = jnp.asarray(rng.standard_normal((3, 5 + Cd + 3)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((Cd, K)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(Cd), jnp.float32)
+    kw = dict(slot_ids=jnp.asarray([4, 0, 1], jnp.int32), impl=impl, interpret=(impl == "pallas"))
+    y_wide, s_wide = causal_conv1d_update(wide, jnp.array(state), w, b, x_offset=5, **kw)
+    y_cut, s_cut = causal_conv1d_update(wide[:, 5:5 + Cd], state, w, b, **kw)
+    assert np.array_equal(np.asarray(y_wide), np.asarray(y_cut))
+    assert np.array_equal(np.asarray(s_wide)[1:], np.asarray(s_cut)[1:])
+    with pytest.raises(ValueError, match="no columns"):
+        causal_conv1d_update(wide, state, w, b, x_offset=9, **kw)

@@ -4,7 +4,7 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.mamba_state_update import ssd_state_update
+from pallas_kernels.mamba_state_update import ssd_state_update, ssd_state_update_packed
 from tests.numerics import rms_relative_error
 
 IMPLS = ["xla", "pallas"]
@@ -104,3 +104,38 @@ def test_pallas_matches_xla():
     y_x, s_x = call(inp, ids, "xla")
     assert rms_relative_error(y_k, y_x) < 1e-5
     assert rms_relative_error(np.asarray(s_k)[1:], np.asarray(s_x)[1:]) < 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_packed_inputs_equal_the_pieces(impl, case):
+    """The packed entry (x‖B‖C in one array, dt at a column offset of a wider array, A as A_log) gives exactly what
+    the pieces give: same kernel, same arithmetic, only the addresses differ."""
+    slots, H, P, G, N, ids = CASES[case]
+    rng = np.random.default_rng(40 + case)
+    inp = make(rng, slots, len(ids), H, P, G, N, dtype=jnp.bfloat16)
+    A_log = jnp.asarray(rng.uniform(-2, 1, H), jnp.float32)
+    inp["A"] = -jnp.exp(A_log)
+    Bsz = len(ids)
+    xbc = jnp.concatenate([inp["x"].reshape(Bsz, H * P), inp["B"].reshape(Bsz, G * N),
+                           inp["C"].reshape(Bsz, G * N)], axis=1)
+    gate = jnp.asarray(rng.standard_normal((Bsz, 7)), jnp.bfloat16)  # columns before dt, as in in_proj's output
+    wide_dt = jnp.concatenate([gate, inp["dt"], gate[:, :2]], axis=1)
+    state_copy = jnp.array(inp["state"])
+    y, state = ssd_state_update_packed(
+        inp["state"], xbc, wide_dt, A_log, n_groups=G, dt_offset=7, D=inp["D"], dt_bias=inp["dt_bias"],
+        slot_ids=jnp.asarray(ids, jnp.int32), impl=impl, interpret=(impl == "pallas"))
+    inp["state"] = state_copy
+    y_ref, state_ref = call(inp, ids, impl)
+    assert np.array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+    assert np.array_equal(np.asarray(state)[1:], np.asarray(state_ref)[1:])
+
+
+def test_packed_shapes_are_checked():
+    state = jnp.zeros((3, 4, 5, 6))
+    with pytest.raises(ValueError, match="shape mismatch"):  # x‖B‖C one column short
+        ssd_state_update_packed(state, jnp.zeros((2, 4 * 5 + 2 * 2 * 6 - 1)), jnp.zeros((2, 4)), jnp.zeros(4),
+                                n_groups=2, D=None, dt_bias=None, slot_ids=jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="shape mismatch"):  # dt's columns run past the array
+        ssd_state_update_packed(state, jnp.zeros((2, 4 * 5 + 2 * 2 * 6)), jnp.zeros((2, 6)), jnp.zeros(4),
+                                n_groups=2, dt_offset=3, D=None, dt_bias=None, slot_ids=jnp.zeros(2, jnp.int32))

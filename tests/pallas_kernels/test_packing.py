@@ -2,8 +2,10 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from pallas_kernels.packing import aligned_blocks, num_blocks_bound, token_sequence_ids, token_sequences
+from pallas_kernels.packing import (
+    SHORT_PREFIX_SUM, aligned_blocks, num_blocks_bound, prefix_sum, token_sequence_ids, token_sequences)
 
 CU = [0, 1, 9, 20, 20, 33]  # sequences of 1, 8, 11, 0 and 13 tokens; tokens 33.. of 40 are padding
 
@@ -55,3 +57,15 @@ def test_aligned_blocks_of_a_packing_with_an_empty_sequence():
     np.testing.assert_array_equal(np.asarray(blocks["length"]), [4, 1, 3, 1, 0, 0])
     np.testing.assert_array_equal(np.asarray(blocks["start"])[:4], [0, 4, 5, 8])
     np.testing.assert_array_equal(np.asarray(blocks["seq"])[:4], [0, 0, 2, 3])
+
+
+@pytest.mark.parametrize("n", [1, 7, 257, SHORT_PREFIX_SUM, SHORT_PREFIX_SUM + 1])
+def test_prefix_sum_equals_cumsum(n):
+    """Short integer vectors take the masked reduction, longer ones (and floats) the tree: both equal cumsum."""
+    x = np.random.default_rng(n).integers(0, 1000, n).astype(np.int32)
+    out = prefix_sum(jnp.asarray(x))
+    assert out.dtype == jnp.int32
+    assert np.array_equal(np.asarray(out), np.cumsum(x))
+    rows = np.random.default_rng(0).standard_normal((3, n)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(prefix_sum(jnp.asarray(rows), axis=1)), np.cumsum(rows, axis=1),
+                               rtol=1e-5, atol=1e-4 * np.sqrt(n))
