@@ -66,6 +66,13 @@ def _mesh_axes(rules: dict, logical: tuple, owner: str) -> tuple:
     return tuple(rules[name] for name in logical)
 
 
+def manual_part(spec: P, axis: str) -> P:
+    """What a shard_map manual over `axis` states of an array laid out by `spec` (a full mesh PartitionSpec of these
+    rules): `axis` on the dimensions split over it, alone or with the other axis, else None. Exact because the
+    rules split a dimension over both axes as ("dp", "tp"): a dp group's block is contiguous, and tp splits it."""
+    return P(*(axis if axis in _names(axes) else None for axes in spec))
+
+
 def _fit(mesh_axes: tuple, shape: tuple[int, ...], mesh) -> P:
     """The spec of an array of `shape` whose dimensions would take `mesh_axes`: each keeps its axes only where their
     devices divide it and no earlier dimension took one of them (else it stays whole)."""

@@ -35,6 +35,7 @@ from jaxmodels.engine.buckets import bucket_for
 from jaxmodels.engine.cache import allocate_caches
 from jaxmodels.engine.scheduler import SlotTables
 from jaxmodels.engine.speculative import DraftState
+from jaxmodels.layers.tensor_parallel import TP
 from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")
@@ -98,16 +99,6 @@ def _sampler_fn(mode: str):
     return run
 
 
-def _group_axis_only(spec: PartitionSpec) -> PartitionSpec:
-    """The part of a full mesh PartitionSpec that a shard_map manual over "dp" states: per dimension, "dp" where
-    the dimension is split over it (alone or first, as in ("dp", "tp")), else None; "tp" stays the compiler's."""
-    def keep(axes):
-        names = axes if isinstance(axes, tuple) else (axes,)
-        return DP if names and names[0] == DP else None
-
-    return PartitionSpec(*(keep(axes) for axes in spec))
-
-
 def _by_groups(shapes: list, dp: int) -> list:
     """Per-layer cache shapes of one group's pools -> those of `dp` groups' pools stacked on the pool axis (the
     leading one of every cache array: pages or slots)."""
@@ -169,13 +160,14 @@ class Runner:
         self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
     def _shard_over(self, mesh, params: dict, cache_shapes) -> None:
-        from sharding import cache_partition_specs, param_partition_specs
+        from sharding import cache_partition_specs, manual_part, param_partition_specs
 
         def shardings(specs):
             return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
 
         param_specs = param_partition_specs(params, self.step.param_axes, mesh, self.step.param_blocks)
+        self.step.record_tp_specs({name: manual_part(spec, TP) for name, spec in param_specs.items()})
         self.params = [jax.device_put(params[name], NamedSharding(mesh, param_specs[name]))
                        for name in self.param_names]
         cache_specs = cache_partition_specs(cache_shapes, mesh)
@@ -190,8 +182,9 @@ class Runner:
         else:  # one transfer of the whole batch, split by rows; numpy arguments would take jit's slow path, one by one
             self._to_devices = lambda tree: jax.device_put(tree, by_group)
         self._group_specs = {
-            "params": [_group_axis_only(param_specs[name]) for name in self.param_names],
-            "caches": jax.tree.map(_group_axis_only, cache_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)),
+            "params": [manual_part(param_specs[name], DP) for name in self.param_names],
+            "caches": jax.tree.map(lambda spec: manual_part(spec, DP), cache_specs,
+                                   is_leaf=lambda x: isinstance(x, PartitionSpec)),
             "rows": PartitionSpec(DP)}
 
     def _jit(self, fn, inputs: tuple[str, ...], outputs: tuple[str, ...], donate: tuple[int, ...]):

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxmodels.engine import speculative
 from jaxmodels.engine.batch import DecodeBatch, ExtendBatch, VerifyBatch
-from jaxmodels.nnx_params import abstract_state, merge_params, model_params, param_axes, param_blocks
+from jaxmodels.nnx_params import abstract_state, merge_params, model_params, param_axes, param_blocks, param_path
 from jaxmodels.precision import matmul_precision_for
 from jaxmodels.step_context import StepContext
 
@@ -48,6 +48,12 @@ class ModelStep:
         self.params = model_params(model)
         self.param_axes = param_axes(model)
         self.param_blocks = param_blocks(model)
+
+    def record_tp_specs(self, specs: dict) -> None:
+        """Record on each param ({dotted path: PartitionSpec}) its layout inside a shard_map manual over "tp", where
+        layers that call custom-call kernels read it (jaxmodels.layers.tensor_parallel.tp_spec)."""
+        self.state = nnx.from_flat_state([(key, variable.replace(variable.get_value(), tp_spec=specs[param_path(key)]))
+                                          for key, variable in nnx.to_flat_state(self.state)])
 
     def take_params(self) -> dict:
         """The params, handed over: the step drops its reference, so a copy placed elsewhere (sharded over a mesh)

@@ -2,14 +2,17 @@
 and packed over a paged KV cache for the engine (the kernel and its reference are in pallas_kernels)."""
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxmodels.layers.linear import linear
+from jaxmodels.layers.tensor_parallel import TP, compiler_tp_size, manual_over_tp
 from jaxmodels.step_context import StepContext
 
 
@@ -79,7 +82,22 @@ class GQAAttention(nnx.Module):
         if step is None:
             out = causal_attention(q, k, v, scale=scale, sliding_window=self.sliding_window)
             return self.o_proj(out.reshape(*lead, -1))
-        cache = KVCache(k=step.write(cache.k, k), v=step.write(cache.v, v))
-        out = pallas_kernels.paged_attention(q, cache.k, cache.v, page_table=step.sequence_pages,
-                                             cu_seqlens=step.cu_seqlens, positions=step.positions, scale=scale)
+        tp = compiler_tp_size()
+        if tp > 1 and self.num_kv_heads % tp == 0:
+            # The pages are split by KV heads over "tp" (sharding.rules) and so are q, k, v: each device attends
+            # with its own heads over its own pages, not over gathered ones (see tensor_parallel).
+            heads, pages = P(None, TP, None), KVCache(k=P(None, None, TP, None), v=P(None, None, TP, None))
+            paged = functools.partial(_paged, scale=scale)
+            out, cache = manual_over_tp(paged, (heads, heads, heads, pages, P()), (heads, pages))(q, k, v, cache, step)
+        else:
+            out, cache = _paged(q, k, v, cache, step, scale=scale)
         return self.o_proj(out.reshape(*lead, -1)), cache
+
+
+def _paged(q, k, v, cache: KVCache, step: StepContext, *, scale: float):
+    """The step's keys and values written to the paged cache, then each token's attention over its sequence's pages
+    -> (out [T, H, d], cache)."""
+    cache = KVCache(k=step.write(cache.k, k), v=step.write(cache.v, v))
+    out = pallas_kernels.paged_attention(q, cache.k, cache.v, page_table=step.sequence_pages,
+                                         cu_seqlens=step.cu_seqlens, positions=step.positions, scale=scale)
+    return out, cache

@@ -36,14 +36,24 @@ def across_groups(x: jax.Array, dp_axis: str | None, parts: list[tuple[Callable,
 
 
 def _sum_scatter(partial: jax.Array, dp_axis: str) -> jax.Array:
-    """The sum of every group's `partial` rows, each group keeping its own rows' block.
+    """The sum of every group's `partial` rows, each group keeping its own rows' block."""
+    return sum_over(partial, dp_axis, scatter=True)
+
+
+def sum_over(partial: jax.Array, axis: str, *, scatter: bool = False) -> jax.Array:
+    """The sum of every device's `partial` over the mesh axis `axis` (with `scatter`, each keeping its own block of
+    the leading dimension).
 
     On the CPU a 16-bit sum is taken in float32 here: there XLA widens 16-bit all-reduces to float32 itself
     (AllReducePromotion, after the reduce-scatter became an all-reduce), and under the engine's partly manual
     shard_map the reducer carries a sharding annotation that pass cannot clone: the process aborts ("Invalid binary
     instruction opcode copy", jax 0.10.2, a bf16 model at dp=2 on simulated devices). Widening first gives the sum
     that pass would have given. GPUs reduce in the given dtype (half the bytes)."""
+    def reduce(value):
+        if scatter:
+            return lax.psum_scatter(value, axis, scatter_dimension=0, tiled=True)
+        return lax.psum(value, axis)
+
     if jax.default_backend() == "cpu" and partial.dtype.itemsize < 4:
-        summed = lax.psum_scatter(partial.astype(jnp.float32), dp_axis, scatter_dimension=0, tiled=True)
-        return summed.astype(partial.dtype)
-    return lax.psum_scatter(partial, dp_axis, scatter_dimension=0, tiled=True)
+        return reduce(partial.astype(jnp.float32)).astype(partial.dtype)
+    return reduce(partial)

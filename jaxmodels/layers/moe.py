@@ -11,12 +11,14 @@ checkpoint's experts `Fp8ExpertStack`, its FP8 counterpart).
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxmodels.layers.fp8_linear import Fp8ExpertStack
-from jaxmodels.layers.group_parallel import across_groups
+from jaxmodels.layers.group_parallel import across_groups, sum_over
 from jaxmodels.layers.linear import ACTIVATIONS, linear
 from jaxmodels.layers.mlp import MLP
+from jaxmodels.layers.tensor_parallel import TP, compiler_tp_size, manual_over_tp, module_over_tp
 
 
 def grouped_topk_routing(logits, correction_bias, *, top_k: int, n_group: int, topk_group: int,
@@ -169,14 +171,39 @@ class MoE(nnx.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts = self.route(tokens)
-        first_expert = 0
-        if dp_axis is not None and self.experts.held_experts() < self.experts.num_experts:
-            first_expert = jax.lax.axis_index(dp_axis) * self.experts.held_experts()
         routed_in = self.fc1_latent_proj(tokens) if self.latent_size is not None else tokens
-        routed = self.experts(routed_in, weights, experts, first_expert)
+        routed = self._experts_sum(routed_in, weights, experts, dp_axis)
         if self.latent_size is not None:
             routed = self.fc2_latent_proj(routed)  # linear without bias: a partial sum stays one
         return routed.reshape(shape)
+
+    def _experts_sum(self, x: jax.Array, weights: jax.Array, experts: jax.Array, dp_axis: str | None) -> jax.Array:
+        """The routed experts' sum over this group's (or device's) experts. Where the compiler splits the expert
+        stacks over "tp", the grouped matmuls, custom calls, run manual over "tp": each device its own experts (or
+        its slice of each expert's intermediate dimension), then a sum over "tp" (see tensor_parallel)."""
+        tp = compiler_tp_size()
+        if tp > 1:
+            arrays, specs, rebuild = module_over_tp(self.experts)
+            if any(TP in spec for spec in specs):
+                def local(local_arrays, x, weights, experts):
+                    mine = rebuild(local_arrays)
+                    return sum_over(mine(x, weights, experts, self._first_expert(mine, dp_axis, tp)), TP)
+
+                return manual_over_tp(local, (specs, P(), P(), P()), P())(arrays, x, weights, experts)
+        return self.experts(x, weights, experts, self._first_expert(self.experts, dp_axis))
+
+    @staticmethod
+    def _first_expert(experts: RoutedExperts, dp_axis: str | None, tp: int = 1):
+        """The first of the experts held here. The rules split the expert axis over ("dp", "tp") in that order, so
+        the holder's index is dp index * tp + tp index (tp > 1 only manual over "tp"); 0 where every expert is held
+        (each with a slice of its intermediate dimension, or whole)."""
+        held = experts.held_experts()
+        if held == experts.num_experts:
+            return 0
+        index = jax.lax.axis_index(dp_axis) if dp_axis is not None else 0
+        if tp > 1:
+            index = index * tp + jax.lax.axis_index(TP)
+        return index * held
 
     def __call__(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
         return across_groups(x, dp_axis, [(lambda t: self.routed(t, dp_axis), self.experts.is_split()),

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxmodels
+import pallas_kernels
 from jaxmodels.step_context import StepKind
 from tests.hf_models import make_dsa, make_nemotron_h, save
 
@@ -50,6 +51,22 @@ def check_compiled_layout(llm, dp: int, tp: int) -> None:
     assert experts and all(s.shard_shape(shape)[0] == shape[0] // (dp * tp) for s, shape in experts)
 
 
+# The kernels that take arrays split over "tp" (experts, KV heads): on a GPU each is a custom call, which XLA cannot
+# partition, so the layers must call them manual over "tp" (jaxmodels.layers.tensor_parallel).
+TP_SPLIT_KERNELS = ("grouped_matmul", "paged_attention")
+
+
+def record_kernel_calls(calls: list) -> None:
+    """Wrap the TP_SPLIT_KERNELS so each call appends (kernel, the mesh axes the code is manual over) while the
+    engine traces its programs."""
+    for name in TP_SPLIT_KERNELS:
+        def recording(*args, _kernel=getattr(pallas_kernels, name), _name=name, **kwargs):
+            calls.append((_name, tuple(jax.sharding.get_abstract_mesh().manual_axes)))
+            return _kernel(*args, **kwargs)
+
+        setattr(pallas_kernels, name, recording)
+
+
 def unsharded_param_copies(llm) -> list:
     """Live arrays on one device shaped like one of the engine's params: the loaded model's copies, which sharding
     over the mesh should have left unreferenced."""
@@ -60,13 +77,19 @@ def unsharded_param_copies(llm) -> list:
 
 def main(directory: str) -> None:
     assert jax.device_count() == 8, jax.devices()
+    calls = []
+    record_kernel_calls(calls)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 97, size=n).tolist() for n in (1, 6, 13, 27)]
     for name, hf_model in (("nemotron_h_moe", make_nemotron_h("moe")), ("deepseek_v32", make_dsa("deepseek_v32"))):
         path = save(hf_model, f"{directory}/{name}")
         greedy_1, sampled_1 = serve(path, prompts)[1:]  # the 1-device LLM, and its params, dropped at once
         for dp, tp in MESHES:
+            calls.clear()
             llm, greedy_n, sampled_n = serve(path, prompts, dp=dp, tp=tp)
+            assert {kernel for kernel, _ in calls} == set(TP_SPLIT_KERNELS[:1 if name == "deepseek_v32" else 2])
+            if tp > 1:  # never on arrays the compiler splits over "tp"
+                assert all("tp" in manual for _, manual in calls), (name, dp, tp, calls)
             assert greedy_n == greedy_1, (name, dp, tp, greedy_n, greedy_1)
             assert sampled_n == sampled_1, (name, dp, tp, sampled_n, sampled_1)
             check_compiled_layout(llm, dp, tp)

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmodels.families import abstract_model, load_config
 from jaxmodels.nnx_params import abstract_state, merge_params, model_params, param_axes, param_blocks
-from sharding import param_partition_specs, spec_for
+from sharding import manual_part, param_partition_specs, spec_for
 from sharding.rules import ALL, PARAM_AXIS_RULES
 from tests.hf_models import DSA_BASE, DSA_VARIANTS, NEMOTRON_H_BASE, NEMOTRON_H_VARIANTS
 
@@ -184,3 +184,11 @@ FP8_EXPECTED = {
 def test_representative_fp8_specs_on_a_2x4_mesh(name):
     specs = fp8_specs(name)
     assert {path: specs[path] for path in FP8_EXPECTED[name]} == FP8_EXPECTED[name]
+
+
+def test_manual_part_keeps_one_axis_of_each_dimension():
+    """What a shard_map manual over one axis states: the engine's step over "dp", the kernels' calls over "tp"."""
+    spec = P(ALL, None, "tp", "dp")
+    assert manual_part(spec, "dp") == P("dp", None, None, "dp")
+    assert manual_part(spec, "tp") == P("tp", None, "tp", None)
+    assert manual_part(P(), "tp") == P()
