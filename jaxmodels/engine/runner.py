@@ -16,7 +16,9 @@ On a ("dp", "tp") mesh both executables run inside a `shard_map` that is manual 
 compiler): each dp group of devices holds its own slice of the caches' pools, of `last_tokens` and of the batch,
 which are whole single-group pools and batches with group-local slot and page ids, so the model's layers run as on
 one device. Only MLP / MoE layers, whose weights are split over all devices, exchange tokens between groups (see
-jaxmodels.layers.group_parallel). Every group runs the same bucket; an idle group runs padding rows.
+jaxmodels.layers.group_parallel). Every group runs the same bucket; an idle group runs padding rows. The layers run
+their Pallas kernels on arrays split over "tp" manual over "tp" too (jaxmodels.layers.tensor_parallel, reading the
+layouts `record_tp_specs` puts on the step's params): XLA cannot split a custom call and would gather its operands.
 """
 
 import concurrent.futures
