@@ -9,6 +9,7 @@ from pallas_kernels.mamba_state_update import (  # noqa: E402,F401
 from .indexer_topk import indexer_topk, indexer_topk_reference, quantize_index_k_fp8  # noqa: E402,F401
 from .sparse_mla_attention import (  # noqa: E402,F401
     logical_to_cache_rows, sparse_mla_attention, sparse_mla_attention_reference)
+from .grouped_matmul import EPILOGUES as grouped_matmul_epilogues  # noqa: E402,F401
 from .grouped_matmul import grouped_matmul, grouped_matmul_reference  # noqa: E402,F401
 from .paged_attention import paged_attention, paged_attention_reference  # noqa: E402,F401
 from .fp8_matmul import (  # noqa: E402,F401

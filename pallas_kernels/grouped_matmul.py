@@ -30,9 +30,21 @@ from ._dispatch import dot_precision, fit_stages, largest_pow2_divisor, next_pow
 from .packing import count_at_or_below, prefix_sum
 
 
-def grouped_matmul_reference(x, w, group_sizes):
-    return lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32,
-                          precision=dot_precision(x.dtype)).astype(x.dtype)
+def relu2(x):
+    """Squared ReLU, the activation of Nemotron-H MLPs and experts."""
+    return jnp.square(jnp.maximum(x, 0))
+
+
+# Activations the kernel applies to its output tile (`epilogue=`), saving the activation's own kernel. Applied to the
+# output rounded to its dtype, in float32, then rounded again: what the activation as a separate op computes (a
+# 16-bit square is exact in float32 before its one rounding).
+EPILOGUES = {"relu2": relu2}
+
+
+def grouped_matmul_reference(x, w, group_sizes, *, epilogue: str | None = None):
+    out = lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32,
+                         precision=dot_precision(x.dtype)).astype(x.dtype)
+    return out if epilogue is None else EPILOGUES[epilogue](out)
 
 
 def make_schedule(group_sizes, M: int, block_m: int):
@@ -64,7 +76,7 @@ def make_schedule(group_sizes, M: int, block_m: int):
 
 
 def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, M, K, N, E, block_m, block_n,
-                block_k):
+                block_k, epilogue):
     n0 = pl.program_id(0) * block_n
     item = pl.program_id(1)
     e = expert_ref[item]
@@ -85,8 +97,10 @@ def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *
             return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32, precision=dot_precision(xt.dtype))
 
         acc = lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-        plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype),
-                    mask=in_seg[:, None] & (cols < N)[None, :])
+        out = acc.astype(o_ref.dtype)
+        if epilogue is not None:
+            out = EPILOGUES[epilogue](out.astype(jnp.float32)).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], out, mask=in_seg[:, None] & (cols < N)[None, :])
 
     @pl.when(e == E)
     def _tail():
@@ -115,7 +129,7 @@ def default_columns(rows: int, experts: int) -> tuple[int, int]:
 
 def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, block_n: int | None = None,
                           block_k: int = 64, num_warps: int | None = None, num_stages: int | None = None,
-                          interpret: bool = False):
+                          epilogue: str | None = None, interpret: bool = False):
     M, K = x.shape
     E, K2, N = w.shape
     block_m = block_m or default_block_m(M, E)
@@ -131,7 +145,8 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, bloc
     # N need not be a multiple of block_n (Nemotron's 1856 = 29 * 64): the last column tile is masked.
     schedule = make_schedule(group_sizes, M, block_m)
     num_items = schedule[0].shape[0]
-    kernel = functools.partial(_gmm_kernel, M=M, K=K, N=N, E=E, block_m=block_m, block_n=block_n, block_k=block_k)
+    kernel = functools.partial(_gmm_kernel, M=M, K=K, N=N, E=E, block_m=block_m, block_n=block_n, block_k=block_k,
+                               epilogue=epilogue)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(N, block_n), num_items),
@@ -147,8 +162,11 @@ def pallas_problem(K: int, block_k: int = 64) -> str | None:
     return pow2_tile_problem("the largest power-of-two tile dividing K", largest_pow2_divisor(K, block_k))
 
 
-def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", interpret: bool = False, **kernel_options):
-    """See the module docstring."""
+def grouped_matmul(x, w, group_sizes, *, epilogue: str | None = None, impl: str = "auto", interpret: bool = False,
+                   **kernel_options):
+    """See the module docstring; `epilogue` names an activation of EPILOGUES applied to the output."""
+    if epilogue is not None and epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue {epilogue!r} is none of {sorted(EPILOGUES)}")
     if resolve_impl(impl, interpret, pallas_problem(x.shape[1]), "grouped_matmul") == "xla":
-        return grouped_matmul_reference(x, w, group_sizes)
-    return grouped_matmul_pallas(x, w, group_sizes, interpret=interpret, **kernel_options)
+        return grouped_matmul_reference(x, w, group_sizes, epilogue=epilogue)
+    return grouped_matmul_pallas(x, w, group_sizes, epilogue=epilogue, interpret=interpret, **kernel_options)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels._dispatch import on_gpu
+from pallas_kernels.grouped_matmul import relu2
 
 # XLA's GPU simplifier turns a product of one row with a weight into multiply + reduce when the two hold fewer than
 # this many elements together, and on the H200 the multiply is not fused into the column reduce that follows: the
@@ -77,11 +78,6 @@ def lm_logits(hidden, embedding: nnx.Embed, lm_head: nnx.Linear | None):
     if lm_head is None:
         return embedding.attend(hidden).astype(jnp.float32)
     return lm_head(hidden).astype(jnp.float32)
-
-
-def relu2(x):
-    """Squared ReLU, the activation of Nemotron-H MLPs and experts."""
-    return jnp.square(jnp.maximum(x, 0))
 
 
 ACTIVATIONS = {"relu2": relu2, "silu": nnx.silu}

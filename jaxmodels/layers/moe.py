@@ -5,7 +5,8 @@ Routing: sigmoid scores; `e_score_correction_bias` is added for *selection only*
 unbiased scores are optionally renormalized and then multiplied by `routed_scaling_factor`.
 
 Experts run as two grouped matmuls over the tokens sorted by expert (`pallas_kernels.grouped_matmul`, or for an FP8
-checkpoint's experts `Fp8ExpertStack`, its FP8 counterpart).
+checkpoint's experts `Fp8ExpertStack`, its FP8 counterpart). A step with few (token, expert) pairs, as decode has,
+finds each pair's sorted position by counting instead of sorting (`expert_ranks`).
 """
 
 import jax
@@ -59,12 +60,30 @@ class TopkRouter(nnx.Module):
         return jnp.dot(x.astype(jnp.float32), self.weight[...].T, precision=jax.lax.Precision.HIGHEST)
 
 
+# Up to this many (token, expert) pairs, a step ranks them by counting (see expert_ranks): a decode step's 1-4096
+# pairs; a prefill chunk's tens of thousands sort.
+RANK_BY_COUNTING = 4096
+
+
 def sort_by_expert(experts: jax.Array, num_experts: int):
     """Order of the (token, slot) pairs sorted by expert, and each expert's row count."""
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     return order, group_sizes
+
+
+def expert_ranks(experts: jax.Array, num_experts: int):
+    """Each (token, slot) pair's position in the pairs stably sorted by expert, and each expert's row count:
+    rank[p] = the pairs of a smaller expert plus the earlier pairs of the same one (the inverse of `sort_by_expert`'s
+    order). R² comparisons for R pairs, but each result one fused reduction: on the GPU the sort, the histogram and
+    the gathers and scatter-add through the order are a dozen small kernels, most of a one-sequence MoE layer's."""
+    flat = experts.reshape(-1)
+    p = jnp.arange(flat.shape[0])
+    before = (flat[None, :] < flat[:, None]) | ((flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None]))
+    rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+    group_sizes = jnp.sum(flat[None, :] == jnp.arange(num_experts)[:, None], axis=1, dtype=jnp.int32)
+    return rank, group_sizes
 
 
 def _held_stack_shape(weights) -> tuple[int, int, int]:
@@ -75,10 +94,16 @@ def _held_stack_shape(weights) -> tuple[int, int, int]:
     return tuple(weights.shape)
 
 
-def _grouped(weights, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def _grouped(weights, rows: jax.Array, group_sizes: jax.Array, activation: str | None = None) -> jax.Array:
+    """rows through the stacked experts, then `activation` (inside the grouped matmul where it has it as an
+    epilogue, saving the activation's own pass)."""
     if isinstance(weights, Fp8ExpertStack):
-        return weights(rows, group_sizes)
-    return pallas_kernels.grouped_matmul(rows, weights[...], group_sizes)
+        out = weights(rows, group_sizes)
+    elif activation in pallas_kernels.grouped_matmul_epilogues:
+        return pallas_kernels.grouped_matmul(rows, weights[...], group_sizes, epilogue=activation)
+    else:
+        out = pallas_kernels.grouped_matmul(rows, weights[...], group_sizes)
+    return out if activation is None else ACTIVATIONS[activation](out)
 
 
 class RoutedExperts(nnx.Module):
@@ -121,21 +146,31 @@ class RoutedExperts(nnx.Module):
         held = self.held_experts()
         local = experts - first_expert
         local = jnp.where((local >= 0) & (local < held), local, held)
+        width = x.shape[-1]
+        if num_tokens * top_k <= RANK_BY_COUNTING:
+            rank, group_sizes = expert_ranks(local, held)
+            # Row rank[p] of the sorted rows is pair p's token; every pair owns one row (rank is a permutation).
+            pairs = jnp.broadcast_to(x[:, None, :], (num_tokens, top_k, width)).reshape(-1, width)
+            rows = jnp.zeros_like(pairs).at[rank].set(pairs, unique_indices=True)
+            out = self._expert_mlp(rows, group_sizes)[rank].reshape(num_tokens, top_k, width)
+            # Weighting and the sum over experts in float32, as transformers accumulates them.
+            return jnp.sum(out.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
         order, group_sizes = sort_by_expert(local, held + 1)
-        group_sizes = group_sizes[:held]
         token_of_row = order // top_k
-        rows = x[token_of_row]
-        hidden = _grouped(self.up_proj, rows, group_sizes)
-        act = ACTIVATIONS[self.activation]
-        if self.gated:
-            hidden = act(_grouped(self.gate_proj, rows, group_sizes)) * hidden
-        else:
-            hidden = act(hidden)
-        out = _grouped(self.down_proj, hidden, group_sizes)
-        # Weighting and the sum over experts happen in float32, as transformers accumulates them.
+        out = self._expert_mlp(x[token_of_row], group_sizes[:held])
         out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        summed = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of_row].add(out)
+        summed = jnp.zeros((num_tokens, width), jnp.float32).at[token_of_row].add(out)
         return summed.astype(x.dtype)
+
+    def _expert_mlp(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Rows sorted by expert (group_sizes[e] rows of expert e, then rows of no held expert) -> each row through
+        its expert's MLP; rows past the groups come out zero."""
+        if self.gated:
+            hidden = _grouped(self.gate_proj, rows, group_sizes, self.activation) * _grouped(
+                self.up_proj, rows, group_sizes)
+        else:
+            hidden = _grouped(self.up_proj, rows, group_sizes, self.activation)
+        return _grouped(self.down_proj, hidden, group_sizes)
 
 
 class MoE(nnx.Module):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import grouped_matmul
-from pallas_kernels.grouped_matmul import make_schedule
+from pallas_kernels.grouped_matmul import make_schedule, relu2
 from tests.numerics import rms_relative_error
 
 
@@ -81,3 +81,20 @@ def test_grouped_matmul_on_gpu():
     got = np.asarray(grouped_matmul(x, w, sizes, impl="pallas"), np.float64)
     assert rms_relative_error(got, want) < 1e-2
     assert (got[760:] == 0).all()
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_relu2_epilogue_equals_the_activation_after(impl):
+    """The epilogue rounds the product to the output dtype first, so it equals relu² applied afterwards, bit for
+    bit, in bf16 too; rows past the groups stay zero."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((24, 32)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((3, 32, 48)) * 0.2, jnp.bfloat16)
+    sizes = jnp.asarray([5, 0, 11], jnp.int32)
+    kw = dict(impl=impl, interpret=(impl == "pallas"))
+    fused = grouped_matmul(x, w, sizes, epilogue="relu2", **kw)
+    after = relu2(grouped_matmul(x, w, sizes, **kw))
+    assert np.array_equal(np.asarray(fused, np.float32), np.asarray(after, np.float32))
+    assert not np.asarray(fused[16:], np.float32).any()
+    with pytest.raises(ValueError, match="epilogue"):
+        grouped_matmul(x, w, sizes, epilogue="gelu", **kw)
