@@ -11,6 +11,7 @@ from .sparse_mla_attention import (  # noqa: E402,F401
     logical_to_cache_rows, sparse_mla_attention, sparse_mla_attention_reference)
 from .grouped_matmul import EPILOGUES as grouped_matmul_epilogues  # noqa: E402,F401
 from .grouped_matmul import grouped_matmul, grouped_matmul_reference  # noqa: E402,F401
+from .add_rms_norm import add_rms_norm, add_rms_norm_reference  # noqa: E402,F401
 from .paged_attention import paged_attention, paged_attention_reference  # noqa: E402,F401
 from .fp8_matmul import (  # noqa: E402,F401
     dequantize_weight, fp8_grouped_matmul, fp8_grouped_matmul_reference, fp8_matmul, fp8_matmul_reference,

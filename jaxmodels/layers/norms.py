@@ -4,11 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) over the last axis, in float32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+import pallas_kernels
+from pallas_kernels.add_rms_norm import rms_norm, rms_normalize
 
 
 class RMSNorm(nnx.Module):
@@ -24,10 +21,15 @@ class RMSNorm(nnx.Module):
         self.scale_in_float32 = scale_in_float32
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        normed = rms_normalize(x, self.eps)
-        if self.scale_in_float32:
-            return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
-        return self.weight[...] * normed.astype(x.dtype)
+        return rms_norm(x, self.weight[...], eps=self.eps, scale_in_float32=self.scale_in_float32)
+
+    def add_and_norm(self, hidden: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """(hidden + delta, this norm of it): the residual stream's add and the next norm, one kernel on the GPU
+        (pallas_kernels.add_rms_norm). Without a delta, (hidden, the norm of hidden)."""
+        if delta is None:
+            return hidden, self(hidden)
+        return pallas_kernels.add_rms_norm(delta, hidden, self.weight[...], eps=self.eps,
+                                           scale_in_float32=self.scale_in_float32)
 
 
 class GatedGroupRMSNorm(nnx.Module):

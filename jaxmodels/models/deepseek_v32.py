@@ -58,14 +58,23 @@ class DeepseekV32DecoderLayer(nnx.Module):
     def __call__(self, hidden, cos, sin, indices=None, *, step: StepContext | None = None, cache=None,
                  mla_path: str = "absorbed"):
         """-> (hidden, the top-k indices the next layer may share, the layer's cache: None without a step)."""
-        x = self.input_layernorm(hidden)
+        hidden, x, indices, cache = self.deferred(hidden, None, cos, sin, indices, step=step, cache=cache,
+                                                  mla_path=mla_path)
+        return hidden + x, indices, cache
+
+    def deferred(self, hidden, delta, cos, sin, indices=None, *, step: StepContext | None = None, cache=None,
+                 mla_path: str = "absorbed"):
+        """The layer with its last residual add deferred: hidden + delta (the previous layer's MLP output, if any)
+        feeds the input norm in one kernel, as the attention output and the post-attention norm do
+        (RMSNorm.add_and_norm) -> (the residual stream before the MLP's add, the MLP output, indices, cache)."""
+        hidden, x = self.input_layernorm.add_and_norm(hidden, delta)
         if step is None:
             attn, indices = self.self_attn(x, cos, sin, indices, path=mla_path)
         else:
             attn, indices, cache = self.self_attn(x, cos, sin, indices, step=step, cache=cache)
-        hidden = hidden + attn
+        hidden, x = self.post_attention_layernorm.add_and_norm(hidden, attn)
         dp_axis = step.dp_axis if step is not None else None
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), dp_axis), indices, cache
+        return hidden, self.mlp(x, dp_axis), indices, cache
 
 
 class SharedHead(nnx.Module):
@@ -134,11 +143,11 @@ class DeepseekV32ForCausalLM(CausalLM):
         positions = jnp.arange(hidden.shape[1]) if step is None else step.positions
         cos, sin = rope_cos_sin(positions, self.config.rope)
         caches = self._layer_caches(caches)
-        indices = None
+        indices, delta = None, None
         for i, layer in enumerate(self.layers):
-            hidden, indices, caches[i] = layer(hidden, cos, sin, indices, step=step, cache=caches[i],
-                                               mla_path=mla_path)
-        return self.norm(hidden), caches
+            hidden, delta, indices, caches[i] = layer.deferred(hidden, delta, cos, sin, indices, step=step,
+                                                               cache=caches[i], mla_path=mla_path)
+        return self.norm.add_and_norm(hidden, delta)[1], caches
 
     def mtp_cache_shapes(self, sizes) -> list:
         """Per MTP layer, its paged caches' ShapeDtypeStructs."""

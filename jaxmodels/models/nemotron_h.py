@@ -64,14 +64,21 @@ class NemotronHBlock(nnx.Module):
 
     def __call__(self, hidden: jax.Array, step: StepContext | None = None, cache=None):
         """-> (hidden, the layer's cache: None without a step or for MLP / MoE blocks)."""
-        x = self.norm(hidden)
+        hidden, x, cache = self.deferred(hidden, None, step, cache)
+        return hidden + x, cache
+
+    def deferred(self, hidden: jax.Array, delta: jax.Array | None, step: StepContext | None = None, cache=None):
+        """The block with the residual adds deferred: hidden + delta (the previous block's output, if any) feeds
+        this block's norm in one kernel (RMSNorm.add_and_norm) -> (hidden + delta, this block's output, cache);
+        the next block, or the final norm, adds the output."""
+        hidden, x = self.norm.add_and_norm(hidden, delta)
         if step is not None and self.kind in CACHED_KINDS:
             x, cache = self.mixer(x, step, cache)
         elif step is not None:
             x = self.mixer(x, step.dp_axis)  # MLP / MoE: their weights may be split over the step's dp groups
         else:
             x = self.mixer(x)
-        return hidden + x, cache
+        return hidden, x, cache
 
 
 class NemotronHMTPBlock(MTPInputFusion, NemotronHBlock):
@@ -158,11 +165,11 @@ class NemotronHForCausalLM(CausalLM):
 
     def _hidden_states(self, input_ids: jax.Array, step: StepContext | None, caches: list | None):
         """The forward (see CausalLM.__call__) up to the LM head: (final-normed hidden states, updated caches)."""
-        hidden = self.embed(input_ids)
+        hidden, delta = self.embed(input_ids), None
         caches = self._layer_caches(caches)
         for i, block in enumerate(self.layers):
-            hidden, caches[i] = block(hidden, step, caches[i])
-        return self.norm_f(hidden), caches
+            hidden, delta, caches[i] = block.deferred(hidden, delta, step, caches[i])
+        return self.norm_f.add_and_norm(hidden, delta)[1], caches
 
     def _mtp_hidden(self, index: int, hidden: jax.Array, token_embeddings: jax.Array, step=None, caches=None):
         return self.mtp(index, hidden, token_embeddings, step, caches)
