@@ -6,7 +6,8 @@ unbiased scores are optionally renormalized and then multiplied by `routed_scali
 
 Experts run as two grouped matmuls over the tokens sorted by expert (`pallas_kernels.grouped_matmul`, or for an FP8
 checkpoint's experts `Fp8ExpertStack`, its FP8 counterpart). A step with few (token, expert) pairs, as decode has,
-finds each pair's sorted position by counting instead of sorting (`expert_ranks`).
+finds each pair's sorted position by counting instead of sorting (`expert_ranks`; with JAXMODELS_DECODE_FUSIONS=1,
+see decode_fusions).
 """
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from jaxmodels.layers import decode_fusions
 from jaxmodels.layers.fp8_linear import Fp8ExpertStack
 from jaxmodels.layers.group_parallel import across_groups, sum_over
 from jaxmodels.layers.linear import ACTIVATIONS, linear
@@ -99,7 +101,7 @@ def _grouped(weights, rows: jax.Array, group_sizes: jax.Array, activation: str |
     epilogue, saving the activation's own pass)."""
     if isinstance(weights, Fp8ExpertStack):
         out = weights(rows, group_sizes)
-    elif activation in pallas_kernels.grouped_matmul_epilogues:
+    elif decode_fusions.ENABLED and activation in pallas_kernels.grouped_matmul_epilogues:
         return pallas_kernels.grouped_matmul(rows, weights[...], group_sizes, epilogue=activation)
     else:
         out = pallas_kernels.grouped_matmul(rows, weights[...], group_sizes)
@@ -147,7 +149,7 @@ class RoutedExperts(nnx.Module):
         local = experts - first_expert
         local = jnp.where((local >= 0) & (local < held), local, held)
         width = x.shape[-1]
-        if num_tokens * top_k <= RANK_BY_COUNTING:
+        if decode_fusions.ENABLED and num_tokens * top_k <= RANK_BY_COUNTING:
             rank, group_sizes = expert_ranks(local, held)
             # Row rank[p] of the sorted rows is pair p's token; every pair owns one row (rank is a permutation).
             pairs = jnp.broadcast_to(x[:, None, :], (num_tokens, top_k, width)).reshape(-1, width)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from jaxmodels.layers import decode_fusions
 from pallas_kernels.add_rms_norm import rms_norm, rms_normalize
 
 
@@ -25,11 +26,13 @@ class RMSNorm(nnx.Module):
 
     def add_and_norm(self, hidden: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """(hidden + delta, this norm of it): the residual stream's add and the next norm, one kernel on the GPU
-        (pallas_kernels.add_rms_norm). Without a delta, (hidden, the norm of hidden)."""
+        (pallas_kernels.add_rms_norm, with JAXMODELS_DECODE_FUSIONS=1: see decode_fusions; else XLA's add and
+        norm). Without a delta, (hidden, the norm of hidden)."""
         if delta is None:
             return hidden, self(hidden)
         return pallas_kernels.add_rms_norm(delta, hidden, self.weight[...], eps=self.eps,
-                                           scale_in_float32=self.scale_in_float32)
+                                           scale_in_float32=self.scale_in_float32,
+                                           impl="auto" if decode_fusions.ENABLED else "xla")
 
 
 class GatedGroupRMSNorm(nnx.Module):

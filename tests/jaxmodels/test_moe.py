@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmodels.layers import moe
+from jaxmodels.layers import decode_fusions
 from jaxmodels.layers.moe import RoutedExperts, expert_ranks, sort_by_expert
 from tests.numerics import rms_relative_error
 
@@ -31,8 +31,9 @@ def test_counting_path_equals_the_sorting_path(monkeypatch, gated, tokens, first
     x = jnp.asarray(rng.standard_normal((tokens, 16)), jnp.float32)
     choice = jnp.asarray(np.stack([rng.choice(12, 4, replace=False) for _ in range(tokens)]), jnp.int32)
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 4)), jnp.float32)
+    monkeypatch.setattr(decode_fusions, "ENABLED", True)
     counted = experts_module(x, weights, choice, first_expert)
-    monkeypatch.setattr(moe, "RANK_BY_COUNTING", 0)
+    monkeypatch.setattr(decode_fusions, "ENABLED", False)
     sorted_ = experts_module(x, weights, choice, first_expert)
     assert rms_relative_error(counted, sorted_) < 1e-6
     # The held experts' contribution is there (not all zero) on both.
