@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -133,6 +133,16 @@ for what in "$@"; do
     xla_flags_probe) for flags in "" "--xla_gpu_experimental_enable_triton_softmax_priority_fusion=true" \
           "--xla_gpu_experimental_enable_fusion_block_level_rewriter=true"; do echo "--- XLA_FLAGS=$flags"
           XLA_FLAGS="$flags ${XLA_FLAGS:-}" PROFILE_BATCHES=1 PROFILE_TIMEOUT=150 bash "$0" decode_profile | head -8
+        done ;;
+    # The decode fusions (JAXMODELS_DECODE_FUSIONS=1, jaxmodels/layers/decode_fusions.py) on the GPU: their kernels'
+    # tests and the model / engine parity tests with them on; then decode with and without them.
+    fusions_tests) JAXMODELS_DECODE_FUSIONS=1 QUICK_TESTS="tests/pallas_kernels/test_add_rms_norm.py
+        tests/pallas_kernels/test_grouped_matmul.py tests/jaxmodels/test_moe.py tests/jaxmodels/test_decode_fusions.py
+        tests/engine/test_llm.py tests/jaxmodels/test_nemotron_h_parity.py tests/jaxmodels/test_deepseek_v32_parity.py" \
+        bash "$0" quick_tests ;;
+    fusions_bench) for on in 1 0; do echo "--- JAXMODELS_DECODE_FUSIONS=$on"
+          OUT="$OUT/fusions$on" JAXMODELS_DECODE_FUSIONS=$on PROFILE_TIMEOUT=150 \
+            PROFILE_CONFIGS="${PROFILE_CONFIGS:-nemotron_h_nano30b_a3b deepseek_v32_4layer}" bash "$0" decode_profile
         done ;;
     # The GPU tests of the files named in QUICK_TESTS (pytest node ids), in 8 workers as the suite runs.
     quick_tests) OUT="$OUT/quick" GPU_CHECK_TESTS="$QUICK_TESTS" bash "$0" suite ;;

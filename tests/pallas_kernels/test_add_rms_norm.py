@@ -41,3 +41,20 @@ def test_mismatched_inputs_are_an_error():
         add_rms_norm(jnp.zeros((2, 8)), jnp.zeros((2, 8), jnp.bfloat16), jnp.ones(8), eps=1e-6)
     with pytest.raises(ValueError, match="do not match"):
         add_rms_norm(jnp.zeros((2, 8)), jnp.zeros((2, 8)), jnp.ones(4), eps=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, width", [(1, 2688), (256, 4480), (3, 7168)])
+@pytest.mark.parametrize("scale_in_float32", [True, False])
+def test_compiled_kernel_on_gpu(rows, width, scale_in_float32):
+    """The model widths (Nano-30B, Nano-9B, DeepSeek), one to 256 rows, bf16: the sum bit for bit, the norm within
+    the last bit of its bf16 rounding."""
+    rng = np.random.default_rng(width)
+    x = jnp.asarray(rng.standard_normal((rows, width)), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((rows, width)) * 4, jnp.bfloat16)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, width), jnp.bfloat16)
+    kw = dict(eps=1e-5, scale_in_float32=scale_in_float32)
+    summed, normed = add_rms_norm(x, residual, weight, impl="pallas", **kw)
+    ref_sum, ref_norm = add_rms_norm(x, residual, weight, impl="xla", **kw)
+    assert np.array_equal(np.asarray(summed, np.float32), np.asarray(ref_sum, np.float32))
+    assert rms_relative_error(np.asarray(normed, np.float32), np.asarray(ref_norm, np.float32)) < 4e-3
