@@ -12,6 +12,8 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxmodels.nnx_params import merge_params, param_path
+
 TP = "tp"
 
 
@@ -26,7 +28,7 @@ def compiler_tp_size() -> int:
 
 def tp_spec(variable: nnx.Variable) -> P:
     """A param's layout inside a shard_map manual over "tp": "tp" on the dimensions the engine split over it (see
-    ModelStep.record_param_specs), replicated for a param it did not record."""
+    ModelStep.record_tp_specs), replicated for a param it did not record."""
     return variable.get_metadata().get("tp_spec") or P()
 
 
@@ -40,11 +42,11 @@ def module_over_tp(module: nnx.Module):
     those arrays in place, for passing a module through `manual_over_tp` (whose arguments must be arrays)."""
     graphdef, state = nnx.split(module)
     flat = nnx.to_flat_state(state)
+    paths = [param_path(key) for key, _ in flat]
     arrays = [variable.get_value() for _, variable in flat]
     specs = [tp_spec(variable) for _, variable in flat]
 
     def rebuild(local_arrays):
-        return nnx.merge(graphdef, nnx.from_flat_state(
-            [(key, variable.replace(array)) for (key, variable), array in zip(flat, local_arrays)]))
+        return merge_params(graphdef, state, dict(zip(paths, local_arrays)))
 
     return arrays, specs, rebuild
