@@ -1,15 +1,13 @@
-"""Where the host time of a decode step's launch goes, on a real model's B-row decode bucket: the engine's launch
-(the forward executable, then the sampler) called as the engine calls it, each launch followed by reading the step
-before it (so the device is busy with step N while step N+1 is sent), with the step's inputs sent four ways:
+"""Where the host time of one decode launch goes: the forward executable of a real model's B-row decode bucket,
+called back to back (each call waits for the previous one) with its inputs in four states:
 
-  * numpy:     the batch and sampling knobs as numpy arrays, as the engine sends them (one host-to-device copy per
-               array, each landing at a new address),
-  * resident:  the same batch and knobs already on the device, the same buffers every call (no copy, no move),
-  * packed:    one int32 buffer for batch and knobs (jaxmodels/engine/transfer.py), one copy, read in place,
-  * staged:    packed, and copied first thing in the program into the executable's temporary memory, which every
-               other kernel reads (its address stays put from step to step).
+  * fresh:   the batch metadata as numpy arrays (copied to the device by the call, at new addresses each time),
+  * resident: the same batch already on the device, the same buffers every call,
+  * caches reused: resident, and the caches are the same buffers every call (the executable donates them, so the
+    output caches occupy the input caches' memory: addresses stay put either way).
 
-Host time = time until the launch returns (not the device's work); median over the calls after three.
+Host time = time until the call returns (the launch, not the device's work). XLA runs the step as a CUDA graph;
+if a launch must first update the graph because some input moved, the "fresh" launch costs more than "resident".
 
     PYTHONPATH=. python3 bench/dispatch_probe.py --config bench/configs/nemotron_h_nano9b.json --batch 256
 """
@@ -23,33 +21,17 @@ import jax
 import numpy as np
 
 
-def overlapped_launch_times(launch, calls: int) -> list[float]:
-    """Launch `calls` steps, reading each step's tokens after the next is sent; -> each launch's host seconds."""
-    times, pending = [], None
-    for _ in range(calls):
-        start = time.perf_counter()
-        tokens = launch()
-        times.append(time.perf_counter() - start)
-        if pending is not None:
-            np.asarray(pending)
-        pending = tokens
-    np.asarray(pending)
-    return times[3:]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--calls", type=int, default=40)
-    parser.add_argument("--mamba-ssm-cache-dtype", default=None, help="default: the config's (float32)")
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--mamba-ssm-cache-dtype", default="bfloat16")
     args = parser.parse_args()
 
     import jaxmodels
     from jaxmodels.benchmark import random_model
     from jaxmodels.engine.batch import decode_batch
-    from jaxmodels.engine.runner import _forward_fn, _sampler_fn
-    from jaxmodels.engine.transfer import pack_groups
     from jaxmodels.step_context import StepKind
 
     with open(args.config) as f:
@@ -59,38 +41,26 @@ def main() -> None:
                         decode_sizes=[args.batch], prefill_sizes=[256], progress=False,
                         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     runner = llm.engine.runner
-    tables = runner._example_tables
-    kind = StepKind.DECODE
+    forward = runner._executable((StepKind.DECODE, args.batch))
+    batch, _ = decode_batch([], args.batch, runner._example_tables)
+    resident = jax.device_put(batch)
 
-    def numpy_launch():
-        return runner._run(kind, args.batch, *decode_batch([], args.batch, tables))
+    def launch_times(make_batch) -> list[float]:
+        times = []
+        for _ in range(args.calls):
+            b = make_batch()
+            start = time.perf_counter()
+            logits, runner.caches = forward(runner.params, runner.caches, runner.last_tokens, b)
+            times.append(time.perf_counter() - start)
+            jax.block_until_ready(logits)
+        return times[3:]
 
-    resident = jax.device_put(decode_batch([], args.batch, tables))
-
-    def resident_launch():
-        return runner._run(kind, args.batch, *resident)
-
-    forward = _forward_fn(runner.step, kind, runner.param_names, None)
-    sampler = _sampler_fn("greedy")
-    packed_forward = jax.jit(lambda p, c, last, packed: forward(p, c, last, packed.unpack()[0]), donate_argnums=(1,))
-    packed_sampler = jax.jit(lambda logits, last, packed: sampler(logits, last, packed.unpack()[1]),
-                             donate_argnums=(1,))
-
-    def packed_launch(stage: bool):
-        def launch():
-            packed = jax.device_put(pack_groups([decode_batch([], args.batch, tables)], stage=stage))
-            logits, runner.caches = packed_forward(runner.params, runner.caches, runner.last_tokens, packed)
-            tokens, runner.last_tokens = packed_sampler(logits, runner.last_tokens, packed)
-            return tokens
-        return launch
-
-    print(f"B={args.batch}: {len(runner.params)} param arrays, {len(jax.tree.leaves(runner.caches))} cache arrays")
-    for name, launch in (("numpy (the engine)", numpy_launch), ("resident", resident_launch),
-                         ("packed", packed_launch(False)), ("staged", packed_launch(True)),
-                         ("numpy again", numpy_launch)):
-        times = overlapped_launch_times(launch, args.calls)
-        print(f"B={args.batch} {name:20s}: launch {statistics.median(times) * 1e3:.3f} ms "
-              f"(min {min(times) * 1e3:.3f}, max {max(times) * 1e3:.3f}) over {len(times)} calls")
+    for name, make in (("fresh numpy batch", lambda: batch), ("resident batch", lambda: resident),
+                       ("fresh device batch", lambda: jax.device_put(batch))):
+        t = launch_times(make)
+        print(f"{name:20s}: launch {statistics.median(t) * 1e3:.3f} ms (min {min(t) * 1e3:.3f}) "
+              f"over {len(t)} calls; {len(runner.params)} param arrays, "
+              f"{len(jax.tree.leaves(runner.caches))} cache arrays")
 
 
 if __name__ == "__main__":
