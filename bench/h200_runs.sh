@@ -45,8 +45,8 @@ for what in "$@"; do
         --json "$OUT/nano30b.json" 2>&1 | tail -30 ;;
     nano30b_bf16) bench --config bench/configs/nemotron_h_nano30b_a3b.json --phases serve --serve 256 --serve-in 1024 \
         --serve-out 1024 --arrival-rate 0 --mamba-ssm-cache-dtype bfloat16 --json "$OUT/nano30b_bf16.json" 2>&1 | tail -12 ;;
-    dispatch) for b in 1 256; do python3 bench/dispatch_probe.py --config bench/configs/nemotron_h_nano9b.json \
-        --batch $b 2>&1 | tail -3; done ;;
+    dispatch) for b in 1 256; do timeout 200 python3 bench/dispatch_probe.py \
+        --config bench/configs/nemotron_h_nano9b.json --batch $b 2>&1 | tail -3; done ;;
     # Two H200s (kind nvidia-h200-x2), issue 11, in calls of under 10 minutes: decode at B=256 for each layout, with
     # the first run's per-op profile; x2b also runs dp=2 with NCCL collectives recorded into the step's CUDA graphs
     # (at dp=2 they cut each step's graph into ~90 pieces); x2_serve is the serving run, dp=2 against one GPU.
@@ -134,8 +134,8 @@ for what in "$@"; do
           "--xla_gpu_experimental_enable_fusion_block_level_rewriter=true"; do echo "--- XLA_FLAGS=$flags"
           XLA_FLAGS="$flags ${XLA_FLAGS:-}" PROFILE_BATCHES=1 PROFILE_TIMEOUT=150 bash "$0" decode_profile | head -8
         done ;;
-    # The decode fusions (JAXMODELS_DECODE_FUSIONS=1, jaxmodels/layers/decode_fusions.py) on the GPU: their kernels'
-    # tests and the model / engine parity tests with them on; then decode with and without them.
+    # The decode fusions (on by default, JAXMODELS_DECODE_FUSIONS=0 turns them off; jaxmodels/layers/decode_fusions.py):
+    # their kernels' tests and the model / engine parity tests with them on; then decode with and without them.
     fusions_tests) JAXMODELS_DECODE_FUSIONS=1 QUICK_TESTS="tests/pallas_kernels/test_add_rms_norm.py
         tests/pallas_kernels/test_grouped_matmul.py tests/jaxmodels/test_moe.py tests/jaxmodels/test_decode_fusions.py
         tests/engine/test_llm.py tests/jaxmodels/test_nemotron_h_parity.py tests/jaxmodels/test_deepseek_v32_parity.py" \

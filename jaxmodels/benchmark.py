@@ -284,7 +284,7 @@ def profile_phases(llm, args, phases, vocab, rng, directory: str) -> None:
             print(f"\n## profile: decode B={batch}, {steps} steady steps")
             print(format_op_table(op_table(path, FIRST_DEVICE), steps=steps))
             print(format_occupancy(*device_occupancy(path, FIRST_DEVICE), steps=steps))
-            print(format_host_table(op_table(path, HOST), steps=steps))
+            print(format_host_table(op_table(path, HOST), steps=steps, top=60))
     if "prefill" not in phases:
         return
     path = os.path.join(directory, "prefill")

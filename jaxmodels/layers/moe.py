@@ -6,8 +6,8 @@ unbiased scores are optionally renormalized and then multiplied by `routed_scali
 
 Experts run as two grouped matmuls over the tokens sorted by expert (`pallas_kernels.grouped_matmul`, or for an FP8
 checkpoint's experts `Fp8ExpertStack`, its FP8 counterpart). A step with few (token, expert) pairs, as decode has,
-finds each pair's sorted position by counting instead of sorting (`expert_ranks`; with JAXMODELS_DECODE_FUSIONS=1,
-see decode_fusions).
+finds each pair's sorted position by counting instead of sorting (`expert_ranks`; unless
+JAXMODELS_DECODE_FUSIONS=0, see decode_fusions).
 """
 
 import jax

@@ -26,8 +26,8 @@ class RMSNorm(nnx.Module):
 
     def add_and_norm(self, hidden: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """(hidden + delta, this norm of it): the residual stream's add and the next norm, one kernel on the GPU
-        (pallas_kernels.add_rms_norm, with JAXMODELS_DECODE_FUSIONS=1: see decode_fusions; else XLA's add and
-        norm). Without a delta, (hidden, the norm of hidden)."""
+        (pallas_kernels.add_rms_norm, unless JAXMODELS_DECODE_FUSIONS=0: see decode_fusions; then XLA's add
+        and norm). Without a delta, (hidden, the norm of hidden)."""
         if delta is None:
             return hidden, self(hidden)
         return pallas_kernels.add_rms_norm(delta, hidden, self.weight[...], eps=self.eps,

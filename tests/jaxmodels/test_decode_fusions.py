@@ -1,7 +1,7 @@
-"""JAXMODELS_DECODE_FUSIONS (jaxmodels.layers.decode_fusions) changes how a step computes, not what: the models'
-logits with the fusions on equal those with them off. On the CPU the fused norm is the XLA reference (its kernel is
-tested in interpret mode in tests/pallas_kernels/test_add_rms_norm.py); the MoE routing by counting runs as it would
-on the GPU."""
+"""JAXMODELS_DECODE_FUSIONS=0 (jaxmodels.layers.decode_fusions) changes how a step computes, not what: the models'
+logits with the fusions off equal those with them on (the default). On the CPU the fused norm is the XLA reference
+(its kernel is tested in interpret mode in tests/pallas_kernels/test_add_rms_norm.py); the MoE routing by counting
+runs as it would on the GPU."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +16,7 @@ from tests.numerics import rms_relative_error
 def test_logits_are_the_same_with_the_fusions_on(model_type, monkeypatch):
     model = build_from_config(TINY_CONFIGS[model_type])
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 90, (2, 11)), jnp.int32)
+    monkeypatch.setattr(decode_fusions, "ENABLED", False)
     off = model(tokens)
     monkeypatch.setattr(decode_fusions, "ENABLED", True)
     on = model(tokens)
