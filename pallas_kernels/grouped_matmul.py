@@ -47,10 +47,16 @@ def grouped_matmul_reference(x, w, group_sizes, *, epilogue: str | None = None):
     return out if epilogue is None else EPILOGUES[epilogue](out)
 
 
-def make_schedule(group_sizes, M: int, block_m: int):
+def make_schedule(group_sizes, M: int, block_m: int, *, trim_items: bool = False):
     """Work items for the kernel: int32 arrays (expert or E for the tail or -1 for padding, tile, row_start, row_end).
 
     Segment s covers rows [start_s, end_s); item i handles the rows of segment s that fall in its row tile.
+
+    There are row tiles + E items, or with `trim_items` row tiles + min(E, M), which is also enough: the non-empty
+    segments (at most min(E + 1, M) of them, the tail included) partition the M rows, each adds one item per row tile
+    it touches, and consecutive segments share at most their boundary tile, so they need at most row tiles - 1 + the
+    number of non-empty segments. At decode (M = B x top_k rows over 128-256 experts) that drops most of the grid's
+    programs, which would find no expert and return.
     """
     E = group_sizes.shape[0]
     # Segment ends: the groups' running totals, then M for the zero tail (sum(group_sizes) <= M).
@@ -59,7 +65,7 @@ def make_schedule(group_sizes, M: int, block_m: int):
     first_tile = seg_start // block_m
     last_tile = (seg_end - 1) // block_m
     n_tiles = jnp.where(seg_end > seg_start, last_tile - first_tile + 1, 0)
-    num_items = pl.cdiv(M, block_m) + E  # each segment boundary adds at most one shared tile
+    num_items = pl.cdiv(M, block_m) + (min(E, max(M, 1)) if trim_items else E)  # each boundary adds at most one tile
     item_end = prefix_sum(n_tiles)
     item_first = item_end - n_tiles  # first item index of each segment
     i = jnp.arange(num_items, dtype=jnp.int32)
@@ -129,7 +135,8 @@ def default_columns(rows: int, experts: int) -> tuple[int, int]:
 
 def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, block_n: int | None = None,
                           block_k: int = 64, num_warps: int | None = None, num_stages: int | None = None,
-                          epilogue: str | None = None, interpret: bool = False):
+                          epilogue: str | None = None, trim_items: bool = False, interpret: bool = False):
+    """`trim_items`: see make_schedule (off until timed on the H200: `bash bench/h200_runs.sh gmm_decode`)."""
     M, K = x.shape
     E, K2, N = w.shape
     block_m = block_m or default_block_m(M, E)
@@ -143,7 +150,7 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, bloc
         raise ValueError(problem)
     block_k = largest_pow2_divisor(K, block_k)
     # N need not be a multiple of block_n (Nemotron's 1856 = 29 * 64): the last column tile is masked.
-    schedule = make_schedule(group_sizes, M, block_m)
+    schedule = make_schedule(group_sizes, M, block_m, trim_items=trim_items)
     num_items = schedule[0].shape[0]
     kernel = functools.partial(_gmm_kernel, M=M, K=K, N=N, E=E, block_m=block_m, block_n=block_n, block_k=block_k,
                                epilogue=epilogue)

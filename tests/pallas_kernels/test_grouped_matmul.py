@@ -65,6 +65,43 @@ def test_schedule_covers_every_row_once_per_segment():
     np.testing.assert_array_equal(owner, np.repeat([0, 2, 4, 5], [7, 20, 13, 10]))  # 5 = the zero tail
 
 
+def random_sizes(rng, rows: int, experts: int) -> np.ndarray:
+    """Group sizes of `rows` (token, expert) pairs, some rows past the total (the zero tail) in half the draws."""
+    routed = rows - int(rng.integers(0, rows // 2 + 1)) if rng.random() < 0.5 else rows
+    return np.bincount(rng.integers(0, experts, routed), minlength=experts).astype(np.int32)
+
+
+@pytest.mark.parametrize("M,E,bm", [(6, 128, 16), (1, 8, 16), (50, 5, 16), (37, 64, 16), (300, 16, 32), (8, 8, 16)])
+def test_trimmed_schedule_keeps_every_item(M, E, bm):
+    """trim_items sizes the item list by min(E, M) instead of E: the items used are the same, in the same order, and
+    the untrimmed list has only padding past the trimmed one's length. Draws include each row on its own expert,
+    the case with the most boundary tiles."""
+    rng = np.random.default_rng(M * 1000 + E)
+    draws = [random_sizes(rng, M, E) for _ in range(40)]
+    spread = np.zeros(E, np.int32)
+    spread[:min(E, M)] = 1  # one row per expert: every segment boundary inside a tile
+    draws.append(spread)
+    for sizes in draws:
+        full = [np.asarray(a) for a in make_schedule(jnp.asarray(sizes), M, bm)]
+        trimmed = [np.asarray(a) for a in make_schedule(jnp.asarray(sizes), M, bm, trim_items=True)]
+        n = len(trimmed[0])
+        assert n == -(-M // bm) + min(E, M)
+        for a, b in zip(full, trimmed):
+            np.testing.assert_array_equal(a[:n], b)
+        assert (full[0][n:] == -1).all(), sizes
+
+
+def test_trimmed_grouped_matmul_equals_numpy():
+    """Decode's shape in small: 6 rows over 16 experts, one row past the routed ones."""
+    M, K, N, E = 6, 32, 48, 16
+    x = jax.random.normal(jax.random.key(8), (M, K), jnp.float32)
+    w = jax.random.normal(jax.random.key(9), (E, K, N), jnp.float32)
+    sizes = jnp.asarray([1, 0, 2, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0], jnp.int32)
+    got = grouped_matmul(x, w, sizes, impl="pallas", interpret=True, block_m=16, block_n=16, block_k=16,
+                         trim_items=True)
+    np.testing.assert_allclose(np.asarray(got), numpy_grouped(x, w, sizes), rtol=1e-5, atol=1e-4)
+
+
 def test_grouped_matmul_lowers_to_triton(cuda_lowering):
     S = jax.ShapeDtypeStruct
     cuda_lowering(jax.jit(lambda x, w, g: grouped_matmul(x, w, g, impl="pallas")),
