@@ -131,11 +131,13 @@ for what in "$@"; do
             > "$log" 2>&1
           echo "--- $config exit $?"; grep -A4 "^| B |" "$log"; grep "^device time\|^device busy" "$log"
           grep -A12 "^| category" "$log"; done ;;
-    # Whether an XLA switch fuses the per-layer residual add + RMSNorm (three kernels a layer at one sequence): the
-    # one-sequence decode of PROFILE_CONFIGS under each flag set, kernels per step and device time.
-    xla_flags_probe) for flags in "" "--xla_gpu_experimental_enable_triton_softmax_priority_fusion=true" \
-          "--xla_gpu_experimental_enable_fusion_block_level_rewriter=true"; do echo "--- XLA_FLAGS=$flags"
-          XLA_FLAGS="$flags ${XLA_FLAGS:-}" PROFILE_BATCHES=1 PROFILE_TIMEOUT=150 bash "$0" decode_profile | head -8
+    # XLA's command-buffer scheduling: LHS (the default) keeps the kernels of a step's CUDA graph in one order;
+    # CONCURRENT lets the graph run independent kernels side by side (at one sequence: the shared expert beside the
+    # routing and the routed experts, the q / kv projections...), at the cost of less packed temporaries. Decode of
+    # PROFILE_CONFIGS at PROFILE_BATCHES (default 1 and 256) under each mode.
+    xla_flags_probe) for mode in LHS CONCURRENT; do echo "--- command buffer scheduling $mode"
+          OUT="$OUT/scheduling_$mode" XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=$mode ${XLA_FLAGS:-}" \
+            PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150} bash "$0" decode_profile | grep -v "^=== "
         done ;;
     # The decode fusions (on by default, JAXMODELS_DECODE_FUSIONS=0 turns them off; jaxmodels/layers/decode_fusions.py):
     # their kernels' tests and the model / engine parity tests with them on; then decode with and without them.
