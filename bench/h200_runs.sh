@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -138,6 +138,16 @@ for what in "$@"; do
     xla_flags_probe) for mode in LHS CONCURRENT; do echo "--- command buffer scheduling $mode"
           OUT="$OUT/scheduling_$mode" XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=$mode ${XLA_FLAGS:-}" \
             PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150} bash "$0" decode_profile | grep -v "^=== "
+        done ;;
+    # The shared expert inside the routed experts' grouped matmuls (JAXMODELS_SHARED_EXPERT_IN_GMM=1, off by default,
+    # moe.MoE.shared_rides_with_experts): its kernel's tests and the parity tests with it on; then decode at 1 and 16
+    # sequences (up to moe.SHARED_IN_GROUPED_MAX_TOKENS) with it on and off.
+    shared_gmm_tests) JAXMODELS_SHARED_EXPERT_IN_GMM=1 QUICK_TESTS="tests/pallas_kernels/test_grouped_matmul.py
+        tests/jaxmodels/test_moe.py tests/jaxmodels/test_decode_fusions.py tests/engine/test_llm.py
+        tests/jaxmodels/test_nemotron_h_parity.py tests/jaxmodels/test_deepseek_v32_parity.py" bash "$0" quick_tests ;;
+    shared_gmm_bench) for on in 1 0; do echo "--- JAXMODELS_SHARED_EXPERT_IN_GMM=$on"
+          OUT="$OUT/shared$on" JAXMODELS_SHARED_EXPERT_IN_GMM=$on PROFILE_TIMEOUT=150 PROFILE_BATCHES=1,16 \
+            PROFILE_CONFIGS="${PROFILE_CONFIGS:-nemotron_h_nano30b_a3b deepseek_v32_4layer}" bash "$0" decode_profile
         done ;;
     # The decode fusions (on by default, JAXMODELS_DECODE_FUSIONS=0 turns them off; jaxmodels/layers/decode_fusions.py):
     # their kernels' tests and the model / engine parity tests with them on; then decode with and without them.

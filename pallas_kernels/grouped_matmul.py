@@ -14,11 +14,18 @@ and reuse x tiles through L2. Each program loads its item (expert id, tile, row 
 K loop `acc += x_tile @ w[e, k-slice, n-slice]` and stores only the rows of its segment (a row tile shared by two
 experts is computed twice, once per expert, each store masked to its rows). Tail items store zeros; padding
 items do nothing.
+
+`extra=ExtraExperts(weights, split)` appends S more experts after w's E, each a [K, N] window of one matrix: a dense
+MLP's projection cut along its intermediate dimension into experts of w's size (split "n": weights [K, S * N], expert
+E + j its columns j * N ..; split "k": weights [S * K, N], its rows j * K ..). group_sizes then has E + S entries. An
+MoE layer's shared expert rides in its routed experts' launch this way, every token one more row of each of its S
+pieces, without a copy of either weight (SGLang's shared-experts fusion appends the weights to the stack instead).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +48,32 @@ def relu2(x):
 EPILOGUES = {"relu2": relu2}
 
 
-def grouped_matmul_reference(x, w, group_sizes, *, epilogue: str | None = None):
+class ExtraExperts(NamedTuple):
+    """Experts appended after a stack's E (see the module docstring): S windows of `weights`, cut along `split`."""
+
+    weights: jax.Array
+    split: str  # "n": weights [K, S * N]; "k": weights [S * K, N]
+
+    def count(self, K: int, N: int) -> int:
+        rows, cols = self.weights.shape
+        if self.split == "n" and rows == K and cols % N == 0:
+            return cols // N
+        if self.split == "k" and cols == N and rows % K == 0:
+            return rows // K
+        raise ValueError(f"extra experts of shape {self.weights.shape} split {self.split!r} do not cut into "
+                         f"[{K}, {N}] experts")
+
+    def as_stack(self, K: int, N: int) -> jax.Array:
+        """[S, K, N]: the windows as a stack (a copy; the reference's, not the kernel's)."""
+        S = self.count(K, N)
+        if self.split == "n":
+            return self.weights.reshape(K, S, N).transpose(1, 0, 2)
+        return self.weights.reshape(S, K, N)
+
+
+def grouped_matmul_reference(x, w, group_sizes, *, epilogue: str | None = None, extra: ExtraExperts | None = None):
+    if extra is not None:
+        w = jnp.concatenate([w, extra.as_stack(*w.shape[1:]).astype(w.dtype)])
     out = lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32,
                          precision=dot_precision(x.dtype)).astype(x.dtype)
     return out if epilogue is None else EPILOGUES[epilogue](out)
@@ -81,8 +113,9 @@ def make_schedule(group_sizes, M: int, block_m: int, *, trim_items: bool = False
             jnp.where(used, row_start, 0).astype(jnp.int32), jnp.where(used, row_end, 0).astype(jnp.int32))
 
 
-def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, M, K, N, E, block_m, block_n,
-                block_k, epilogue):
+def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, *refs, M, K, N, E, S, split, block_m,
+                block_n, block_k, epilogue):
+    extra_ref, o_ref = refs if S else (None, *refs)
     n0 = pl.program_id(0) * block_n
     item = pl.program_id(1)
     e = expert_ref[item]
@@ -91,15 +124,14 @@ def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *
     in_seg = (rows >= start_ref[item]) & (rows < end_ref[item])
     cols = n0 + jnp.arange(block_n)
 
-    @pl.when((e >= 0) & (e < E))
-    def _matmul():
+    def matmul(weight_tile):
+        """The item's output tile, weight_tile(k0) giving the [block_k, block_n] slab of its expert at k0."""
         def body(kk, acc):
             k0 = pl.multiple_of(kk * block_k, block_k)
             # Rows past M are masked (M need not be a multiple of BM); rows of other segments are computed
             # but never stored.
             xt = plgpu.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=(rows < M)[:, None], other=0)
-            wt = plgpu.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=(cols < N)[None, :],
-                            other=0)
+            wt = weight_tile(k0)
             return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32, precision=dot_precision(xt.dtype))
 
         acc = lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -108,7 +140,27 @@ def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *
             out = EPILOGUES[epilogue](out.astype(jnp.float32)).astype(o_ref.dtype)
         plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], out, mask=in_seg[:, None] & (cols < N)[None, :])
 
-    @pl.when(e == E)
+    col_mask = (cols < N)[None, :]
+
+    @pl.when((e >= 0) & (e < E))
+    def _routed():
+        matmul(lambda k0: plgpu.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=col_mask, other=0))
+
+    if S:
+        @pl.when((e >= E) & (e < E + S))
+        def _extra():
+            j = e - E  # the window's columns (split "n") or rows (split "k") start at j * N or j * K
+
+            def weight_tile(k0):
+                if split == "n":
+                    window = extra_ref.at[pl.ds(k0, block_k), pl.ds(j * N + n0, block_n)]
+                else:
+                    window = extra_ref.at[pl.ds(j * K + k0, block_k), pl.ds(n0, block_n)]
+                return plgpu.load(window, mask=col_mask, other=0)
+
+            matmul(weight_tile)
+
+    @pl.when(e == E + S)
     def _tail():
         plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)],
                     jnp.zeros((block_m, block_n), o_ref.dtype), mask=in_seg[:, None] & (cols < N)[None, :])
@@ -135,10 +187,14 @@ def default_columns(rows: int, experts: int) -> tuple[int, int]:
 
 def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, block_n: int | None = None,
                           block_k: int = 64, num_warps: int | None = None, num_stages: int | None = None,
-                          epilogue: str | None = None, trim_items: bool = False, interpret: bool = False):
+                          epilogue: str | None = None, extra: ExtraExperts | None = None, trim_items: bool = False,
+                          interpret: bool = False):
     """`trim_items`: see make_schedule (off until timed on the H200: `bash bench/h200_runs.sh gmm_decode`)."""
     M, K = x.shape
     E, K2, N = w.shape
+    S = extra.count(K, N) if extra is not None else 0
+    if group_sizes.shape[0] != E + S:
+        raise ValueError(f"{group_sizes.shape[0]} group sizes for {E} experts and {S} extra ones")
     block_m = block_m or default_block_m(M, E)
     default_n, default_warps = default_columns(M, E)
     block_n, num_warps = block_n or default_n, num_warps or default_warps
@@ -152,8 +208,9 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, bloc
     # N need not be a multiple of block_n (Nemotron's 1856 = 29 * 64): the last column tile is masked.
     schedule = make_schedule(group_sizes, M, block_m, trim_items=trim_items)
     num_items = schedule[0].shape[0]
-    kernel = functools.partial(_gmm_kernel, M=M, K=K, N=N, E=E, block_m=block_m, block_n=block_n, block_k=block_k,
-                               epilogue=epilogue)
+    kernel = functools.partial(_gmm_kernel, M=M, K=K, N=N, E=E, S=S, split=extra.split if S else None,
+                               block_m=block_m, block_n=block_n, block_k=block_k, epilogue=epilogue)
+    weights = (w, extra.weights.astype(w.dtype)) if S else (w,)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(N, block_n), num_items),
@@ -161,7 +218,7 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, bloc
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="grouped_matmul",
-    )(*schedule, x, w)
+    )(*schedule, x, *weights)
 
 
 def pallas_problem(K: int, block_k: int = 64) -> str | None:
@@ -169,11 +226,13 @@ def pallas_problem(K: int, block_k: int = 64) -> str | None:
     return pow2_tile_problem("the largest power-of-two tile dividing K", largest_pow2_divisor(K, block_k))
 
 
-def grouped_matmul(x, w, group_sizes, *, epilogue: str | None = None, impl: str = "auto", interpret: bool = False,
-                   **kernel_options):
-    """See the module docstring; `epilogue` names an activation of EPILOGUES applied to the output."""
+def grouped_matmul(x, w, group_sizes, *, epilogue: str | None = None, extra: ExtraExperts | None = None,
+                   impl: str = "auto", interpret: bool = False, **kernel_options):
+    """See the module docstring; `epilogue` names an activation of EPILOGUES applied to the output, `extra` appends
+    experts cut from one matrix."""
     if epilogue is not None and epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r} is none of {sorted(EPILOGUES)}")
     if resolve_impl(impl, interpret, pallas_problem(x.shape[1]), "grouped_matmul") == "xla":
-        return grouped_matmul_reference(x, w, group_sizes, epilogue=epilogue)
-    return grouped_matmul_pallas(x, w, group_sizes, epilogue=epilogue, interpret=interpret, **kernel_options)
+        return grouped_matmul_reference(x, w, group_sizes, epilogue=epilogue, extra=extra)
+    return grouped_matmul_pallas(x, w, group_sizes, epilogue=epilogue, extra=extra, interpret=interpret,
+                                 **kernel_options)

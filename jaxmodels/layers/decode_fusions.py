@@ -8,8 +8,15 @@ both paths, and `bash bench/h200_runs.sh fusions_tests` runs the kernels' and th
 on. On the H200 (2026-12-02, `bash bench/h200_runs.sh fusions_bench`, docs/BENCHMARKS.md) they take the Nano-30B
 class's one-sequence decode step from 861 to 762 kernels (host 2.18 -> 1.59 ms a step) and its 256-sequence step
 from 24.03 to 23.66 ms; the 4-layer DeepSeek's from 1.93 to 1.82 ms (B = 1) and 18.04 to 17.90 ms (B = 256).
+
+`JAXMODELS_SHARED_EXPERT_IN_GMM=1` (off: written and tested on the CPU, not yet measured on a GPU) runs an MoE
+layer's shared expert inside its routed experts' grouped matmuls at decode (`MoE.shared_rides_with_experts`): its
+projections cut into experts of the routed ones' size, every token one more row of each, so a one-sequence layer
+launches two grouped matmuls instead of those plus the shared expert's two GEMMs and their one-row pads.
+`bash bench/h200_runs.sh shared_gmm_tests shared_gmm_bench` are its GPU checks.
 """
 
 import os
 
 ENABLED = os.environ.get("JAXMODELS_DECODE_FUSIONS", "1") != "0"
+SHARED_EXPERT_IN_GMM = os.environ.get("JAXMODELS_SHARED_EXPERT_IN_GMM", "0") == "1"

@@ -7,8 +7,11 @@ unbiased scores are optionally renormalized and then multiplied by `routed_scali
 Experts run as two grouped matmuls over the tokens sorted by expert (`pallas_kernels.grouped_matmul`, or for an FP8
 checkpoint's experts `Fp8ExpertStack`, its FP8 counterpart). A step with few (token, expert) pairs, as decode has,
 finds each pair's sorted position by counting instead of sorting (`expert_ranks`; unless
-JAXMODELS_DECODE_FUSIONS=0, see decode_fusions).
+JAXMODELS_DECODE_FUSIONS=0, see decode_fusions); with JAXMODELS_SHARED_EXPERT_IN_GMM=1 such a step also runs the
+shared expert as more experts of the same grouped matmuls (`MoE.shared_rides_with_experts`).
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +23,9 @@ from jaxmodels.layers import decode_fusions
 from jaxmodels.layers.fp8_linear import Fp8ExpertStack
 from jaxmodels.layers.group_parallel import across_groups, sum_over
 from jaxmodels.layers.linear import ACTIVATIONS, linear
-from jaxmodels.layers.mlp import MLP
+from jaxmodels.layers.mlp import MLP, GatedMLP
 from jaxmodels.layers.tensor_parallel import TP, compiler_tp_size, manual_over_tp, module_over_tp
+from pallas_kernels.grouped_matmul import ExtraExperts
 
 
 def grouped_topk_routing(logits, correction_bias, *, top_k: int, n_group: int, topk_group: int,
@@ -65,6 +69,10 @@ class TopkRouter(nnx.Module):
 # Up to this many (token, expert) pairs, a step ranks them by counting (see expert_ranks): a decode step's 1-4096
 # pairs; a prefill chunk's tens of thousands sort.
 RANK_BY_COUNTING = 4096
+# Up to this many tokens a step may run the shared expert inside the routed experts' grouped matmuls
+# (MoE.shared_rides_with_experts): each piece of it then has one row tile (the kernel's smallest, 16 rows, is what
+# it takes at decode), so its weights are read once, as its own GEMM reads them; more rows would read them per tile.
+SHARED_IN_GROUPED_MAX_TOKENS = 16
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int):
@@ -96,16 +104,26 @@ def _held_stack_shape(weights) -> tuple[int, int, int]:
     return tuple(weights.shape)
 
 
-def _grouped(weights, rows: jax.Array, group_sizes: jax.Array, activation: str | None = None) -> jax.Array:
-    """rows through the stacked experts, then `activation` (inside the grouped matmul where it has it as an
-    epilogue, saving the activation's own pass)."""
+def _grouped(weights, rows: jax.Array, group_sizes: jax.Array, activation: str | None = None,
+             extra: ExtraExperts | None = None) -> jax.Array:
+    """rows through the stacked experts (and the `extra` ones after them), then `activation` (inside the grouped
+    matmul where it has it as an epilogue, saving the activation's own pass)."""
     if isinstance(weights, Fp8ExpertStack):
         out = weights(rows, group_sizes)
     elif decode_fusions.ENABLED and activation in pallas_kernels.grouped_matmul_epilogues:
-        return pallas_kernels.grouped_matmul(rows, weights[...], group_sizes, epilogue=activation)
+        return pallas_kernels.grouped_matmul(rows, weights[...], group_sizes, epilogue=activation, extra=extra)
     else:
-        out = pallas_kernels.grouped_matmul(rows, weights[...], group_sizes)
+        out = pallas_kernels.grouped_matmul(rows, weights[...], group_sizes, extra=extra)
     return out if activation is None else ACTIVATIONS[activation](out)
+
+
+def _shared_as_experts(shared: nnx.Module) -> dict[str, ExtraExperts]:
+    """A dense MLP's projections as extra experts of a routed stack (see grouped_matmul.ExtraExperts): the up (and
+    gate) projections cut along their output columns, the down projection along its input rows."""
+    cuts = {"up_proj": "n", "down_proj": "k"}
+    if isinstance(shared, GatedMLP):
+        cuts["gate_proj"] = "n"
+    return {name: ExtraExperts(getattr(shared, name).kernel[...], split) for name, split in cuts.items()}
 
 
 class RoutedExperts(nnx.Module):
@@ -138,23 +156,36 @@ class RoutedExperts(nnx.Module):
     def is_split(self) -> bool:
         return self.held_experts() < self.num_experts or _held_stack_shape(self.up_proj)[2] < self.intermediate
 
-    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, first_expert=0) -> jax.Array:
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, first_expert=0,
+                 shared: nnx.Module | None = None) -> jax.Array:
         """x[N,D], routing weights/experts [N,k] -> sum over the k experts of weight * expert(x), [N,D].
 
         With a slice of the experts (first_expert .. first_expert + held_experts() - 1), the sum covers those only:
         the other choices sort into one extra group past the held ones, whose rows the grouped matmul leaves zero.
+        `shared`, an MLP the caller found fit (`MoE.shared_rides_with_experts`), runs as S more experts that every
+        token takes with weight 1, and its output joins the sum.
         """
         num_tokens, top_k = experts.shape
         held = self.held_experts()
+        extras = _shared_as_experts(shared) if shared is not None else {}
+        pieces = shared.intermediate_size // self.intermediate if shared is not None else 0
         local = experts - first_expert
-        local = jnp.where((local >= 0) & (local < held), local, held)
+        local = jnp.where((local >= 0) & (local < held), local, held + pieces)
         width = x.shape[-1]
-        if decode_fusions.ENABLED and num_tokens * top_k <= RANK_BY_COUNTING:
-            rank, group_sizes = expert_ranks(local, held)
+        counting = decode_fusions.ENABLED and num_tokens * (top_k + pieces) <= RANK_BY_COUNTING
+        if pieces and not counting:
+            raise ValueError("a shared expert rides with the routed ones only in a step ranked by counting")
+        if pieces:
+            local = jnp.concatenate([local, jnp.broadcast_to(held + jnp.arange(pieces, dtype=local.dtype),
+                                                             (num_tokens, pieces))], axis=1)
+            weights = jnp.concatenate([weights, jnp.ones((num_tokens, pieces), weights.dtype)], axis=1)
+            top_k += pieces
+        if counting:
+            rank, group_sizes = expert_ranks(local, held + pieces)
             # Row rank[p] of the sorted rows is pair p's token; every pair owns one row (rank is a permutation).
             pairs = jnp.broadcast_to(x[:, None, :], (num_tokens, top_k, width)).reshape(-1, width)
             rows = jnp.zeros_like(pairs).at[rank].set(pairs, unique_indices=True)
-            out = self._expert_mlp(rows, group_sizes)[rank].reshape(num_tokens, top_k, width)
+            out = self._expert_mlp(rows, group_sizes, extras)[rank].reshape(num_tokens, top_k, width)
             # Weighting and the sum over experts in float32, as transformers accumulates them.
             return jnp.sum(out.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
         order, group_sizes = sort_by_expert(local, held + 1)
@@ -164,15 +195,17 @@ class RoutedExperts(nnx.Module):
         summed = jnp.zeros((num_tokens, width), jnp.float32).at[token_of_row].add(out)
         return summed.astype(x.dtype)
 
-    def _expert_mlp(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def _expert_mlp(self, rows: jax.Array, group_sizes: jax.Array, extras: dict | None = None) -> jax.Array:
         """Rows sorted by expert (group_sizes[e] rows of expert e, then rows of no held expert) -> each row through
-        its expert's MLP; rows past the groups come out zero."""
+        its expert's MLP; rows past the groups come out zero. `extras`: each projection's ExtraExperts, experts
+        past the held ones."""
+        extras = extras or {}
         if self.gated:
-            hidden = _grouped(self.gate_proj, rows, group_sizes, self.activation) * _grouped(
-                self.up_proj, rows, group_sizes)
+            hidden = _grouped(self.gate_proj, rows, group_sizes, self.activation, extras.get("gate_proj")) * _grouped(
+                self.up_proj, rows, group_sizes, extra=extras.get("up_proj"))
         else:
-            hidden = _grouped(self.up_proj, rows, group_sizes, self.activation)
-        return _grouped(self.down_proj, hidden, group_sizes)
+            hidden = _grouped(self.up_proj, rows, group_sizes, self.activation, extras.get("up_proj"))
+        return _grouped(self.down_proj, hidden, group_sizes, extra=extras.get("down_proj"))
 
 
 class MoE(nnx.Module):
@@ -203,12 +236,15 @@ class MoE(nnx.Module):
             topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
             routed_scaling_factor=self.routed_scaling_factor, excluded_group_score=self.excluded_group_score)
 
-    def routed(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
-        """The routed experts' sum for tokens x[..., D] (this group's slice of the experts when they are split)."""
+    def routed(self, x: jax.Array, dp_axis: str | None = None, shared: nnx.Module | None = None) -> jax.Array:
+        """The routed experts' sum for tokens x[..., D] (this group's slice of the experts when they are split),
+        with the `shared` expert's output in it when given (see shared_rides_with_experts)."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts = self.route(tokens)
         routed_in = self.fc1_latent_proj(tokens) if self.latent_size is not None else tokens
+        if shared is not None:
+            return self.experts(routed_in, weights, experts, shared=shared).reshape(shape)
         routed = self._experts_sum(routed_in, weights, experts, dp_axis)
         if self.latent_size is not None:
             routed = self.fc2_latent_proj(routed)  # linear without bias: a partial sum stays one
@@ -242,6 +278,33 @@ class MoE(nnx.Module):
             index = index * tp + jax.lax.axis_index(TP)
         return index * held
 
+    def shared_rides_with_experts(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens runs the shared expert inside the routed experts' grouped matmuls
+        (JAXMODELS_SHARED_EXPERT_IN_GMM=1, see decode_fusions): a decode step of up to SHARED_IN_GROUPED_MAX_TOKENS
+        tokens (ranked by counting), on whole weights (nothing split over dp groups or "tp", no FP8 stacks, no latent
+        projection in front of the experts), and a shared MLP of the experts' kind, without biases, whose
+        intermediate size is a multiple of theirs."""
+        shared, experts = self.shared_experts, self.experts
+        if not (decode_fusions.SHARED_EXPERT_IN_GMM and decode_fusions.ENABLED) or self.latent_size is not None:
+            return False
+        if not isinstance(shared, (MLP, GatedMLP)) or isinstance(shared, GatedMLP) != experts.gated:
+            return False
+        if shared.activation != experts.activation or shared.intermediate_size % experts.intermediate:
+            return False
+        pieces = shared.intermediate_size // experts.intermediate
+        if num_tokens > SHARED_IN_GROUPED_MAX_TOKENS or num_tokens * (self.top_k + pieces) > RANK_BY_COUNTING:
+            return False
+        if compiler_tp_size() > 1:
+            return False
+        projections = [getattr(shared, name) for name in experts.projections()]
+        if any(not isinstance(p, nnx.Linear) or p.bias is not None for p in projections):
+            return False  # (an FP8 checkpoint's shared expert)
+        if any(isinstance(getattr(experts, name), Fp8ExpertStack) for name in experts.projections()):
+            return False
+        return not (experts.is_split() or shared.is_split())
+
     def __call__(self, x: jax.Array, dp_axis: str | None = None) -> jax.Array:
+        if self.shared_rides_with_experts(math.prod(x.shape[:-1])):
+            return self.routed(x, dp_axis, shared=self.shared_experts)
         return across_groups(x, dp_axis, [(lambda t: self.routed(t, dp_axis), self.experts.is_split()),
                                           (self.shared_experts.forward, self.shared_experts.is_split())])

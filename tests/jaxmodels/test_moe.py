@@ -38,3 +38,45 @@ def test_counting_path_equals_the_sorting_path(monkeypatch, gated, tokens, first
     assert rms_relative_error(counted, sorted_) < 1e-6
     # The held experts' contribution is there (not all zero) on both.
     assert float(jnp.abs(sorted_).max()) > 0
+
+
+def _moe(gated: bool, shared_intermediate: int):
+    from jaxmodels.layers.moe import MoE
+    from jaxmodels.layers.mlp import GatedMLP, MLP
+
+    activation = "silu" if gated else "relu2"
+    shared = (GatedMLP if gated else MLP)(16, shared_intermediate, rngs=nnx.Rngs(1), activation=activation)
+    return MoE(16, num_experts=12, top_k=4, expert_intermediate=8, shared_intermediate=shared_intermediate,
+               n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rngs=nnx.Rngs(0),
+               activation=activation, gated=gated, shared_expert=shared)
+
+
+@pytest.mark.parametrize("gated, shared_intermediate", [(False, 16), (True, 8), (False, 24)])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_shared_expert_in_the_grouped_matmul_equals_it_beside(monkeypatch, gated, shared_intermediate, tokens):
+    """JAXMODELS_SHARED_EXPERT_IN_GMM: the shared expert cut into experts of the routed ones' size (2, 1 and 3
+    pieces here) and run in their grouped matmuls gives the layer's output with it run on its own. float32: only the
+    order of the sum over the experts and the shared expert differs."""
+    moe = _moe(gated, shared_intermediate)
+    x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, 16)), jnp.float32)
+    beside = moe(x)
+    monkeypatch.setattr(decode_fusions, "SHARED_EXPERT_IN_GMM", True)
+    assert moe.shared_rides_with_experts(tokens)
+    inside = moe(x)
+    assert rms_relative_error(inside, beside) < 1e-6
+    # The shared expert's part is there: without it the output differs.
+    assert rms_relative_error(moe.routed(x), beside) > 1e-2
+
+
+def test_shared_expert_rides_only_where_it_fits(monkeypatch):
+    from jaxmodels.layers.moe import SHARED_IN_GROUPED_MAX_TOKENS
+
+    monkeypatch.setattr(decode_fusions, "SHARED_EXPERT_IN_GMM", True)
+    assert _moe(False, 16).shared_rides_with_experts(SHARED_IN_GROUPED_MAX_TOKENS)
+    assert not _moe(False, 12).shared_rides_with_experts(3)  # not a multiple of the experts' 8
+    assert not _moe(False, 16).shared_rides_with_experts(SHARED_IN_GROUPED_MAX_TOKENS + 1)  # its own GEMM then
+    monkeypatch.setattr(decode_fusions, "ENABLED", False)
+    assert not _moe(False, 16).shared_rides_with_experts(3)
+    monkeypatch.setattr(decode_fusions, "ENABLED", True)
+    monkeypatch.setattr(decode_fusions, "SHARED_EXPERT_IN_GMM", False)
+    assert not _moe(False, 16).shared_rides_with_experts(3)

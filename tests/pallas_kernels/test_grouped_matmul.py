@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import grouped_matmul
-from pallas_kernels.grouped_matmul import make_schedule, relu2
+from pallas_kernels.grouped_matmul import ExtraExperts, make_schedule, relu2
 from tests.numerics import rms_relative_error
 
 
@@ -102,10 +102,54 @@ def test_trimmed_grouped_matmul_equals_numpy():
     np.testing.assert_allclose(np.asarray(got), numpy_grouped(x, w, sizes), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("split", ["n", "k"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_extra_experts_are_windows_of_one_matrix(split, impl):
+    """Experts E .. E+S-1 cut from one matrix (a shared expert's projection) equal those windows as stacked experts:
+    numpy per group, the routed groups around them unchanged, rows past the total zero, with the epilogue too."""
+    M, K, N, E, S = 40, 32, 24, 3, 2
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((E, K, N)), jnp.float32)
+    matrix = jnp.asarray(rng.standard_normal((K, S * N) if split == "n" else (S * K, N)), jnp.float32)
+    windows = ([matrix[:, j * N:(j + 1) * N] for j in range(S)] if split == "n"
+               else [matrix[j * K:(j + 1) * K] for j in range(S)])
+    sizes = jnp.asarray([6, 0, 9, 7, 7], jnp.int32)  # 29 of 40 rows; both extra experts take 7
+    want = numpy_grouped(x, jnp.concatenate([w, jnp.stack(windows)]), sizes)
+    kw = dict(impl=impl, interpret=impl == "pallas", extra=ExtraExperts(matrix, split))
+    if impl == "pallas":
+        kw.update(block_m=16, block_n=16, block_k=16)
+    got = grouped_matmul(x, w, sizes, **kw)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    assert not np.asarray(got[29:]).any()
+    fused = grouped_matmul(x, w, sizes, epilogue="relu2", **kw)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(relu2(got)))
+
+
+def test_extra_experts_must_cut_evenly():
+    x, w = jnp.zeros((4, 8)), jnp.zeros((2, 8, 6))
+    with pytest.raises(ValueError, match="do not cut"):
+        grouped_matmul(x, w, jnp.zeros(3, jnp.int32), impl="pallas", interpret=True,
+                       extra=ExtraExperts(jnp.zeros((8, 10)), "n"))
+    with pytest.raises(ValueError, match="group sizes"):
+        grouped_matmul(x, w, jnp.zeros(2, jnp.int32), impl="pallas", interpret=True,
+                       extra=ExtraExperts(jnp.zeros((8, 12)), "n"))
+
+
 def test_grouped_matmul_lowers_to_triton(cuda_lowering):
     S = jax.ShapeDtypeStruct
     cuda_lowering(jax.jit(lambda x, w, g: grouped_matmul(x, w, g, impl="pallas")),
                   S((4096, 2688), jnp.bfloat16), S((128, 2688, 1856 // 2), jnp.bfloat16), S((128,), jnp.int32))
+
+
+@pytest.mark.parametrize("split", ["n", "k"])
+def test_extra_experts_lower_to_triton(cuda_lowering, split):
+    S = jax.ShapeDtypeStruct
+    K, N = (2688, 1856) if split == "n" else (1856, 2688)
+    shape = (K, 2 * N) if split == "n" else (2 * K, N)
+    cuda_lowering(jax.jit(lambda x, w, g, m: grouped_matmul(x, w, g, extra=ExtraExperts(m, split), impl="pallas",
+                                                            epilogue="relu2")),
+                  S((8, K), jnp.bfloat16), S((128, K, N), jnp.bfloat16), S((130,), jnp.int32), S(shape, jnp.bfloat16))
 
 
 @pytest.mark.gpu
@@ -135,6 +179,23 @@ def test_relu2_epilogue_equals_the_activation_after(impl):
     assert not np.asarray(fused[16:], np.float32).any()
     with pytest.raises(ValueError, match="epilogue"):
         grouped_matmul(x, w, sizes, epilogue="gelu", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["n", "k"])
+def test_extra_experts_on_gpu(split):
+    """One token's six routed experts and a shared expert cut in two (Nemotron-30B's shapes), compiled, against the
+    XLA reference on the stacked windows."""
+    K, N = (2688, 1856) if split == "n" else (1856, 2688)
+    x = jax.random.normal(jax.random.key(10), (8, K)).astype(jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(11), (16, K, N)) * K ** -0.5).astype(jnp.bfloat16)
+    shape = (K, 2 * N) if split == "n" else (2 * K, N)
+    extra = ExtraExperts((jax.random.normal(jax.random.key(12), shape) * K ** -0.5).astype(jnp.bfloat16), split)
+    sizes = jnp.array([1, 0, 2, 0, 0, 1, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1], jnp.int32)
+    got = np.asarray(grouped_matmul(x, w, sizes, extra=extra, impl="pallas"), np.float64)
+    want = np.asarray(grouped_matmul(x.astype(jnp.float32), w.astype(jnp.float32), sizes, impl="xla",
+                                     extra=ExtraExperts(extra.weights.astype(jnp.float32), split)), np.float64)
+    assert rms_relative_error(got, want) < 1e-2
 
 
 @pytest.mark.gpu
