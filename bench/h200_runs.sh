@@ -140,13 +140,14 @@ for what in "$@"; do
             PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150} bash "$0" decode_profile | grep -v "^=== "
         done ;;
     # The shared expert inside the routed experts' grouped matmuls (JAXMODELS_SHARED_EXPERT_IN_GMM=1, off by default,
-    # moe.MoE.shared_rides_with_experts): its kernel's tests and the parity tests with it on; then decode at 1 and 16
-    # sequences (up to moe.SHARED_IN_GROUPED_MAX_TOKENS) with it on and off.
+    # moe.MoE.shared_rides_with_experts): its kernel's tests and the parity tests with it on; then decode at 1 and 8
+    # sequences (Nemotron-30B's shared expert in two pieces takes it up to 8, moe.SHARED_IN_GROUPED_MAX_ROWS / 2)
+    # with it on and off.
     shared_gmm_tests) JAXMODELS_SHARED_EXPERT_IN_GMM=1 QUICK_TESTS="tests/pallas_kernels/test_grouped_matmul.py
         tests/jaxmodels/test_moe.py tests/jaxmodels/test_decode_fusions.py tests/engine/test_llm.py
         tests/jaxmodels/test_nemotron_h_parity.py tests/jaxmodels/test_deepseek_v32_parity.py" bash "$0" quick_tests ;;
     shared_gmm_bench) for on in 1 0; do echo "--- JAXMODELS_SHARED_EXPERT_IN_GMM=$on"
-          OUT="$OUT/shared$on" JAXMODELS_SHARED_EXPERT_IN_GMM=$on PROFILE_TIMEOUT=150 PROFILE_BATCHES=1,16 \
+          OUT="$OUT/shared$on" JAXMODELS_SHARED_EXPERT_IN_GMM=$on PROFILE_TIMEOUT=150 PROFILE_BATCHES=1,8 \
             PROFILE_CONFIGS="${PROFILE_CONFIGS:-nemotron_h_nano30b_a3b deepseek_v32_4layer}" bash "$0" decode_profile
         done ;;
     # The decode fusions (on by default, JAXMODELS_DECODE_FUSIONS=0 turns them off; jaxmodels/layers/decode_fusions.py):

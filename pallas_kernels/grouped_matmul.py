@@ -15,11 +15,13 @@ K loop `acc += x_tile @ w[e, k-slice, n-slice]` and stores only the rows of its 
 experts is computed twice, once per expert, each store masked to its rows). Tail items store zeros; padding
 items do nothing.
 
-`extra=ExtraExperts(weights, split)` appends S more experts after w's E, each a [K, N] window of one matrix: a dense
+`extra=ExtraExperts(weights, split)` puts S more experts before w's E, each a [K, N] window of one matrix: a dense
 MLP's projection cut along its intermediate dimension into experts of w's size (split "n": weights [K, S * N], expert
-E + j its columns j * N ..; split "k": weights [S * K, N], its rows j * K ..). group_sizes then has E + S entries. An
-MoE layer's shared expert rides in its routed experts' launch this way, every token one more row of each of its S
-pieces, without a copy of either weight (SGLang's shared-experts fusion appends the weights to the stack instead).
+j its columns j * N ..; split "k": weights [S * K, N], its rows j * K ..); w's expert g is then group S + g, and
+group_sizes has S + E entries. An MoE layer's shared expert rides in its routed experts' launch this way, every token
+one more row of each of its S pieces, without a copy of either weight (SGLang's shared-experts fusion appends the
+weights to the stack instead). First, so that a few tokens' rows of the pieces share the first row tile and each
+piece's weights are read once.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ EPILOGUES = {"relu2": relu2}
 
 
 class ExtraExperts(NamedTuple):
-    """Experts appended after a stack's E (see the module docstring): S windows of `weights`, cut along `split`."""
+    """Experts put before a stack's E (see the module docstring): S windows of `weights`, cut along `split`."""
 
     weights: jax.Array
     split: str  # "n": weights [K, S * N]; "k": weights [S * K, N]
@@ -73,7 +75,7 @@ class ExtraExperts(NamedTuple):
 
 def grouped_matmul_reference(x, w, group_sizes, *, epilogue: str | None = None, extra: ExtraExperts | None = None):
     if extra is not None:
-        w = jnp.concatenate([w, extra.as_stack(*w.shape[1:]).astype(w.dtype)])
+        w = jnp.concatenate([extra.as_stack(*w.shape[1:]).astype(w.dtype), w])
     out = lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32,
                          precision=dot_precision(x.dtype)).astype(x.dtype)
     return out if epilogue is None else EPILOGUES[epilogue](out)
@@ -142,25 +144,25 @@ def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, *refs, M
 
     col_mask = (cols < N)[None, :]
 
-    @pl.when((e >= 0) & (e < E))
-    def _routed():
-        matmul(lambda k0: plgpu.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=col_mask, other=0))
-
     if S:
-        @pl.when((e >= E) & (e < E + S))
+        @pl.when((e >= 0) & (e < S))
         def _extra():
-            j = e - E  # the window's columns (split "n") or rows (split "k") start at j * N or j * K
-
+            # Expert e's window: columns (split "n") or rows (split "k") from e * N or e * K.
             def weight_tile(k0):
                 if split == "n":
-                    window = extra_ref.at[pl.ds(k0, block_k), pl.ds(j * N + n0, block_n)]
+                    window = extra_ref.at[pl.ds(k0, block_k), pl.ds(e * N + n0, block_n)]
                 else:
-                    window = extra_ref.at[pl.ds(j * K + k0, block_k), pl.ds(n0, block_n)]
+                    window = extra_ref.at[pl.ds(e * K + k0, block_k), pl.ds(n0, block_n)]
                 return plgpu.load(window, mask=col_mask, other=0)
 
             matmul(weight_tile)
 
-    @pl.when(e == E + S)
+    @pl.when((e >= S) & (e < S + E))
+    def _routed():
+        matmul(lambda k0: plgpu.load(w_ref.at[e - S, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=col_mask,
+                                     other=0))
+
+    @pl.when(e == S + E)
     def _tail():
         plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)],
                     jnp.zeros((block_m, block_n), o_ref.dtype), mask=in_seg[:, None] & (cols < N)[None, :])
@@ -193,8 +195,8 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, bloc
     M, K = x.shape
     E, K2, N = w.shape
     S = extra.count(K, N) if extra is not None else 0
-    if group_sizes.shape[0] != E + S:
-        raise ValueError(f"{group_sizes.shape[0]} group sizes for {E} experts and {S} extra ones")
+    if group_sizes.shape[0] != S + E:
+        raise ValueError(f"{group_sizes.shape[0]} group sizes for {S} extra experts and {E} stacked ones")
     block_m = block_m or default_block_m(M, E)
     default_n, default_warps = default_columns(M, E)
     block_n, num_warps = block_n or default_n, num_warps or default_warps

@@ -69,10 +69,11 @@ class TopkRouter(nnx.Module):
 # Up to this many (token, expert) pairs, a step ranks them by counting (see expert_ranks): a decode step's 1-4096
 # pairs; a prefill chunk's tens of thousands sort.
 RANK_BY_COUNTING = 4096
-# Up to this many tokens a step may run the shared expert inside the routed experts' grouped matmuls
-# (MoE.shared_rides_with_experts): each piece of it then has one row tile (the kernel's smallest, 16 rows, is what
-# it takes at decode), so its weights are read once, as its own GEMM reads them; more rows would read them per tile.
-SHARED_IN_GROUPED_MAX_TOKENS = 16
+# A step may run the shared expert inside the routed experts' grouped matmuls (MoE.shared_rides_with_experts) while
+# its pieces' rows (tokens x pieces, the first rows of the sorted ones) fit in one row tile of the kernel (16 rows,
+# its smallest, which it takes at decode): then each piece's weights are read once, as its own GEMM reads them; a
+# piece across two tiles would read them twice.
+SHARED_IN_GROUPED_MAX_ROWS = 16
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int):
@@ -170,13 +171,15 @@ class RoutedExperts(nnx.Module):
         extras = _shared_as_experts(shared) if shared is not None else {}
         pieces = shared.intermediate_size // self.intermediate if shared is not None else 0
         local = experts - first_expert
-        local = jnp.where((local >= 0) & (local < held), local, held + pieces)
+        # The shared expert's pieces are groups 0 .. pieces-1 (see grouped_matmul.ExtraExperts), the held experts
+        # the groups after them, and choices of no held expert one group past those.
+        local = jnp.where((local >= 0) & (local < held), local + pieces, held + pieces)
         width = x.shape[-1]
         counting = decode_fusions.ENABLED and num_tokens * (top_k + pieces) <= RANK_BY_COUNTING
         if pieces and not counting:
             raise ValueError("a shared expert rides with the routed ones only in a step ranked by counting")
         if pieces:
-            local = jnp.concatenate([local, jnp.broadcast_to(held + jnp.arange(pieces, dtype=local.dtype),
+            local = jnp.concatenate([local, jnp.broadcast_to(jnp.arange(pieces, dtype=local.dtype),
                                                              (num_tokens, pieces))], axis=1)
             weights = jnp.concatenate([weights, jnp.ones((num_tokens, pieces), weights.dtype)], axis=1)
             top_k += pieces
@@ -280,10 +283,10 @@ class MoE(nnx.Module):
 
     def shared_rides_with_experts(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs the shared expert inside the routed experts' grouped matmuls
-        (JAXMODELS_SHARED_EXPERT_IN_GMM=1, see decode_fusions): a decode step of up to SHARED_IN_GROUPED_MAX_TOKENS
-        tokens (ranked by counting), on whole weights (nothing split over dp groups or "tp", no FP8 stacks, no latent
-        projection in front of the experts), and a shared MLP of the experts' kind, without biases, whose
-        intermediate size is a multiple of theirs."""
+        (JAXMODELS_SHARED_EXPERT_IN_GMM=1, see decode_fusions): a decode step whose tokens times the shared expert's
+        pieces are at most SHARED_IN_GROUPED_MAX_ROWS (ranked by counting), on whole weights (nothing split over dp
+        groups or "tp", no FP8 stacks, no latent projection in front of the experts), and a shared MLP of the
+        experts' kind, without biases, whose intermediate size is a multiple of theirs."""
         shared, experts = self.shared_experts, self.experts
         if not (decode_fusions.SHARED_EXPERT_IN_GMM and decode_fusions.ENABLED) or self.latent_size is not None:
             return False
@@ -292,7 +295,7 @@ class MoE(nnx.Module):
         if shared.activation != experts.activation or shared.intermediate_size % experts.intermediate:
             return False
         pieces = shared.intermediate_size // experts.intermediate
-        if num_tokens > SHARED_IN_GROUPED_MAX_TOKENS or num_tokens * (self.top_k + pieces) > RANK_BY_COUNTING:
+        if num_tokens * pieces > SHARED_IN_GROUPED_MAX_ROWS or num_tokens * (self.top_k + pieces) > RANK_BY_COUNTING:
             return False
         if compiler_tp_size() > 1:
             return False

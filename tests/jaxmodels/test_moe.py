@@ -69,12 +69,14 @@ def test_shared_expert_in_the_grouped_matmul_equals_it_beside(monkeypatch, gated
 
 
 def test_shared_expert_rides_only_where_it_fits(monkeypatch):
-    from jaxmodels.layers.moe import SHARED_IN_GROUPED_MAX_TOKENS
+    from jaxmodels.layers.moe import SHARED_IN_GROUPED_MAX_ROWS
 
     monkeypatch.setattr(decode_fusions, "SHARED_EXPERT_IN_GMM", True)
-    assert _moe(False, 16).shared_rides_with_experts(SHARED_IN_GROUPED_MAX_TOKENS)
+    # 16 = two pieces of the experts' 8: up to SHARED_IN_GROUPED_MAX_ROWS / 2 tokens, its own GEMMs beyond
+    assert _moe(False, 16).shared_rides_with_experts(SHARED_IN_GROUPED_MAX_ROWS // 2)
+    assert not _moe(False, 16).shared_rides_with_experts(SHARED_IN_GROUPED_MAX_ROWS // 2 + 1)
+    assert _moe(True, 8).shared_rides_with_experts(SHARED_IN_GROUPED_MAX_ROWS)  # one piece
     assert not _moe(False, 12).shared_rides_with_experts(3)  # not a multiple of the experts' 8
-    assert not _moe(False, 16).shared_rides_with_experts(SHARED_IN_GROUPED_MAX_TOKENS + 1)  # its own GEMM then
     monkeypatch.setattr(decode_fusions, "ENABLED", False)
     assert not _moe(False, 16).shared_rides_with_experts(3)
     monkeypatch.setattr(decode_fusions, "ENABLED", True)

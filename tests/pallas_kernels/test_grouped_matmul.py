@@ -105,8 +105,8 @@ def test_trimmed_grouped_matmul_equals_numpy():
 @pytest.mark.parametrize("split", ["n", "k"])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_extra_experts_are_windows_of_one_matrix(split, impl):
-    """Experts E .. E+S-1 cut from one matrix (a shared expert's projection) equal those windows as stacked experts:
-    numpy per group, the routed groups around them unchanged, rows past the total zero, with the epilogue too."""
+    """Experts 0 .. S-1 cut from one matrix (a shared expert's projection) equal those windows as stacked experts:
+    numpy per group, the stack's groups after them unchanged, rows past the total zero, with the epilogue too."""
     M, K, N, E, S = 40, 32, 24, 3, 2
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
@@ -114,8 +114,8 @@ def test_extra_experts_are_windows_of_one_matrix(split, impl):
     matrix = jnp.asarray(rng.standard_normal((K, S * N) if split == "n" else (S * K, N)), jnp.float32)
     windows = ([matrix[:, j * N:(j + 1) * N] for j in range(S)] if split == "n"
                else [matrix[j * K:(j + 1) * K] for j in range(S)])
-    sizes = jnp.asarray([6, 0, 9, 7, 7], jnp.int32)  # 29 of 40 rows; both extra experts take 7
-    want = numpy_grouped(x, jnp.concatenate([w, jnp.stack(windows)]), sizes)
+    sizes = jnp.asarray([7, 7, 6, 0, 9], jnp.int32)  # 29 of 40 rows; both extra experts take 7
+    want = numpy_grouped(x, jnp.concatenate([jnp.stack(windows), w]), sizes)
     kw = dict(impl=impl, interpret=impl == "pallas", extra=ExtraExperts(matrix, split))
     if impl == "pallas":
         kw.update(block_m=16, block_n=16, block_k=16)
@@ -184,14 +184,14 @@ def test_relu2_epilogue_equals_the_activation_after(impl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", ["n", "k"])
 def test_extra_experts_on_gpu(split):
-    """One token's six routed experts and a shared expert cut in two (Nemotron-30B's shapes), compiled, against the
+    """A shared expert cut in two and one token's six routed experts (Nemotron-30B's shapes), compiled, against the
     XLA reference on the stacked windows."""
     K, N = (2688, 1856) if split == "n" else (1856, 2688)
     x = jax.random.normal(jax.random.key(10), (8, K)).astype(jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(11), (16, K, N)) * K ** -0.5).astype(jnp.bfloat16)
     shape = (K, 2 * N) if split == "n" else (2 * K, N)
     extra = ExtraExperts((jax.random.normal(jax.random.key(12), shape) * K ** -0.5).astype(jnp.bfloat16), split)
-    sizes = jnp.array([1, 0, 2, 0, 0, 1, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1], jnp.int32)
+    sizes = jnp.array([1, 1, 1, 0, 2, 0, 0, 1, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0], jnp.int32)
     got = np.asarray(grouped_matmul(x, w, sizes, extra=extra, impl="pallas"), np.float64)
     want = np.asarray(grouped_matmul(x.astype(jnp.float32), w.astype(jnp.float32), sizes, impl="xla",
                                      extra=ExtraExperts(extra.weights.astype(jnp.float32), split)), np.float64)
