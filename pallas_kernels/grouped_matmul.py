@@ -197,8 +197,8 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, bloc
     S = extra.count(K, N) if extra is not None else 0
     if group_sizes.shape[0] != S + E:
         raise ValueError(f"{group_sizes.shape[0]} group sizes for {S} extra experts and {E} stacked ones")
-    block_m = block_m or default_block_m(M, E)
-    default_n, default_warps = default_columns(M, E)
+    block_m = block_m or default_block_m(M, S + E)
+    default_n, default_warps = default_columns(M, S + E)
     block_n, num_warps = block_n or default_n, num_warps or default_warps
     if num_stages is None:  # 3, or fewer where the x and w tiles of 3 K steps do not fit (`fit_stages`)
         num_stages = fit_stages(3, (block_m + block_n) * block_k * x.dtype.itemsize)
@@ -230,8 +230,8 @@ def pallas_problem(K: int, block_k: int = 64) -> str | None:
 
 def grouped_matmul(x, w, group_sizes, *, epilogue: str | None = None, extra: ExtraExperts | None = None,
                    impl: str = "auto", interpret: bool = False, **kernel_options):
-    """See the module docstring; `epilogue` names an activation of EPILOGUES applied to the output, `extra` appends
-    experts cut from one matrix."""
+    """See the module docstring; `epilogue` names an activation of EPILOGUES applied to the output, `extra` puts
+    experts cut from one matrix before w's."""
     if epilogue is not None and epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r} is none of {sorted(EPILOGUES)}")
     if resolve_impl(impl, interpret, pallas_problem(x.shape[1]), "grouped_matmul") == "xla":
