@@ -142,8 +142,6 @@ def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, *refs, M
             out = EPILOGUES[epilogue](out.astype(jnp.float32)).astype(o_ref.dtype)
         plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], out, mask=in_seg[:, None] & (cols < N)[None, :])
 
-    col_mask = (cols < N)[None, :]
-
     if S:
         @pl.when((e >= 0) & (e < S))
         def _extra():
@@ -153,14 +151,15 @@ def _gmm_kernel(expert_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, *refs, M
                     window = extra_ref.at[pl.ds(k0, block_k), pl.ds(e * N + n0, block_n)]
                 else:
                     window = extra_ref.at[pl.ds(e * K + k0, block_k), pl.ds(n0, block_n)]
-                return plgpu.load(window, mask=col_mask, other=0)
+                return plgpu.load(window, mask=(cols < N)[None, :], other=0)
 
             matmul(weight_tile)
 
     @pl.when((e >= S) & (e < S + E))
     def _routed():
-        matmul(lambda k0: plgpu.load(w_ref.at[e - S, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=col_mask,
-                                     other=0))
+        stacked = e - S if S else e
+        matmul(lambda k0: plgpu.load(w_ref.at[stacked, pl.ds(k0, block_k), pl.ds(n0, block_n)],
+                                     mask=(cols < N)[None, :], other=0))
 
     @pl.when(e == S + E)
     def _tail():

@@ -173,7 +173,7 @@ class RoutedExperts(nnx.Module):
         local = experts - first_expert
         # The shared expert's pieces are groups 0 .. pieces-1 (see grouped_matmul.ExtraExperts), the held experts
         # the groups after them, and choices of no held expert one group past those.
-        local = jnp.where((local >= 0) & (local < held), local + pieces, held + pieces)
+        local = jnp.where((local >= 0) & (local < held), local + pieces if pieces else local, held + pieces)
         width = x.shape[-1]
         counting = decode_fusions.ENABLED and num_tokens * (top_k + pieces) <= RANK_BY_COUNTING
         if pieces and not counting:
