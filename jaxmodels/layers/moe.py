@@ -107,8 +107,8 @@ def _held_stack_shape(weights) -> tuple[int, int, int]:
 
 def _grouped(weights, rows: jax.Array, group_sizes: jax.Array, activation: str | None = None,
              extra: ExtraExperts | None = None) -> jax.Array:
-    """rows through the stacked experts (and the `extra` ones after them), then `activation` (inside the grouped
-    matmul where it has it as an epilogue, saving the activation's own pass)."""
+    """rows through the stacked experts (after the `extra` ones, groups 0 .. S-1, when given), then `activation`
+    (inside the grouped matmul where it has it as an epilogue, saving the activation's own pass)."""
     if isinstance(weights, Fp8ExpertStack):
         out = weights(rows, group_sizes)
     elif decode_fusions.ENABLED and activation in pallas_kernels.grouped_matmul_epilogues:
@@ -176,9 +176,9 @@ class RoutedExperts(nnx.Module):
         local = jnp.where((local >= 0) & (local < held), local + pieces if pieces else local, held + pieces)
         width = x.shape[-1]
         counting = decode_fusions.ENABLED and num_tokens * (top_k + pieces) <= RANK_BY_COUNTING
-        if pieces and not counting:
-            raise ValueError("a shared expert rides with the routed ones only in a step ranked by counting")
         if pieces:
+            if not counting:
+                raise ValueError("a shared expert rides with the routed ones only in a step ranked by counting")
             local = jnp.concatenate([local, jnp.broadcast_to(jnp.arange(pieces, dtype=local.dtype),
                                                              (num_tokens, pieces))], axis=1)
             weights = jnp.concatenate([weights, jnp.ones((num_tokens, pieces), weights.dtype)], axis=1)
@@ -200,8 +200,8 @@ class RoutedExperts(nnx.Module):
 
     def _expert_mlp(self, rows: jax.Array, group_sizes: jax.Array, extras: dict | None = None) -> jax.Array:
         """Rows sorted by expert (group_sizes[e] rows of expert e, then rows of no held expert) -> each row through
-        its expert's MLP; rows past the groups come out zero. `extras`: each projection's ExtraExperts, experts
-        past the held ones."""
+        its expert's MLP; rows past the groups come out zero. `extras`: each projection's ExtraExperts, the groups
+        before the held experts'."""
         extras = extras or {}
         if self.gated:
             hidden = _grouped(self.gate_proj, rows, group_sizes, self.activation, extras.get("gate_proj")) * _grouped(
