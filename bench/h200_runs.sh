@@ -45,7 +45,7 @@ for what in "$@"; do
         --json "$OUT/nano30b.json" 2>&1 | tail -30 ;;
     nano30b_serve) timeout 280 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
         --phases serve --serve 256 --serve-in 1024 --serve-out 1024 --arrival-rate 0 --json "$OUT/nano30b_serve.json" \
-        2>&1 | tail -12 ;;  # issue 10's serving run with the config's fp32 state
+        --prefill-chunk "${SERVE_CHUNK:-8192}" 2>&1 | tail -12 ;;  # issue 10's serving run with the config's fp32 state
     nano30b_bf16) bench --config bench/configs/nemotron_h_nano30b_a3b.json --phases serve --serve 256 --serve-in 1024 \
         --serve-out 1024 --arrival-rate 0 --mamba-ssm-cache-dtype bfloat16 --json "$OUT/nano30b_bf16.json" 2>&1 | tail -12 ;;
     dispatch) for b in 1 256; do timeout 200 python3 bench/dispatch_probe.py \
@@ -139,10 +139,10 @@ for what in "$@"; do
           OUT="$OUT/scheduling_$mode" XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=$mode ${XLA_FLAGS:-}" \
             PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150} bash "$0" decode_profile | grep -v "^=== "
         done ;;
-    # The shared expert inside the routed experts' grouped matmuls (JAXMODELS_SHARED_EXPERT_IN_GMM=1, off by default,
-    # moe.MoE.shared_rides_with_experts): its kernel's tests and the parity tests with it on; then decode at 1 and 8
-    # sequences (Nemotron-30B's shared expert in two pieces takes it up to 8, moe.SHARED_IN_GROUPED_MAX_ROWS / 2)
-    # with it on and off.
+    # The shared expert inside the routed experts' grouped matmuls (on by default, JAXMODELS_SHARED_EXPERT_IN_GMM=0
+    # turns it off; moe.MoE.shared_rides_with_experts): its kernel's tests and the parity tests with it on; then
+    # decode at 1 and 8 sequences (Nemotron-30B's shared expert in two pieces takes it up to 8,
+    # moe.SHARED_IN_GROUPED_MAX_ROWS / 2) with it on and off.
     shared_gmm_tests) JAXMODELS_SHARED_EXPERT_IN_GMM=1 QUICK_TESTS="tests/pallas_kernels/test_grouped_matmul.py
         tests/jaxmodels/test_moe.py tests/jaxmodels/test_decode_fusions.py tests/engine/test_llm.py
         tests/jaxmodels/test_nemotron_h_parity.py tests/jaxmodels/test_deepseek_v32_parity.py" bash "$0" quick_tests ;;

@@ -7,8 +7,8 @@ unbiased scores are optionally renormalized and then multiplied by `routed_scali
 Experts run as two grouped matmuls over the tokens sorted by expert (`pallas_kernels.grouped_matmul`, or for an FP8
 checkpoint's experts `Fp8ExpertStack`, its FP8 counterpart). A step with few (token, expert) pairs, as decode has,
 finds each pair's sorted position by counting instead of sorting (`expert_ranks`; unless
-JAXMODELS_DECODE_FUSIONS=0, see decode_fusions); with JAXMODELS_SHARED_EXPERT_IN_GMM=1 such a step also runs the
-shared expert as more experts of the same grouped matmuls (`MoE.shared_rides_with_experts`).
+JAXMODELS_DECODE_FUSIONS=0, see decode_fusions); such a step also runs the shared expert as more experts of the same
+grouped matmuls (`MoE.shared_rides_with_experts`; JAXMODELS_SHARED_EXPERT_IN_GMM=0 keeps it beside them).
 """
 
 import math
@@ -283,8 +283,8 @@ class MoE(nnx.Module):
 
     def shared_rides_with_experts(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs the shared expert inside the routed experts' grouped matmuls
-        (JAXMODELS_SHARED_EXPERT_IN_GMM=1, see decode_fusions): a decode step whose tokens times the shared expert's
-        pieces are at most SHARED_IN_GROUPED_MAX_ROWS (ranked by counting), on whole weights (nothing split over dp
+        (unless JAXMODELS_SHARED_EXPERT_IN_GMM=0, see decode_fusions): a decode step whose tokens times the shared
+        expert's pieces are at most SHARED_IN_GROUPED_MAX_ROWS (ranked by counting), on whole weights (nothing split over dp
         groups or "tp", no FP8 stacks, no latent projection in front of the experts), and a shared MLP of the
         experts' kind, without biases, whose intermediate size is a multiple of theirs."""
         shared, experts = self.shared_experts, self.experts

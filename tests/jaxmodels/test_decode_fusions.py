@@ -28,7 +28,7 @@ def test_logits_are_the_same_with_the_fusions_on(model_type, monkeypatch):
 
 @pytest.mark.parametrize("model_type, shared", [("deepseek_v32", None), ("nemotron_h", 40)])
 def test_logits_are_the_same_with_the_shared_expert_in_the_grouped_matmul(model_type, shared, monkeypatch):
-    """JAXMODELS_SHARED_EXPERT_IN_GMM: a decode-sized step (one token a row) with the shared expert inside the routed
+    """JAXMODELS_SHARED_EXPERT_IN_GMM (on by default): a decode-sized step (one token a row) with the shared expert inside the routed
     experts' grouped matmuls gives the logits of the default path. The tiny DeepSeek's shared expert is one piece of
     the experts' size; the Nemotron-H one is given two (40 = 2 x 20)."""
     config = dict(TINY_CONFIGS[model_type])
@@ -36,6 +36,7 @@ def test_logits_are_the_same_with_the_shared_expert_in_the_grouped_matmul(model_
         config["moe_shared_expert_intermediate_size"] = shared
     model = build_from_config(config)
     tokens = jnp.asarray(np.random.default_rng(1).integers(3, 90, (3, 1)), jnp.int32)
+    monkeypatch.setattr(decode_fusions, "SHARED_EXPERT_IN_GMM", False)
     beside = model(tokens)
     monkeypatch.setattr(decode_fusions, "SHARED_EXPERT_IN_GMM", True)
     moe_layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
