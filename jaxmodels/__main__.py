@@ -8,6 +8,8 @@ import sys
 
 SPECULATIVE_HELP = "draft this many tokens per step with the checkpoint's MTP layers (0: off)"
 QUANTIZATION_HELP = "an FP8 checkpoint runs in FP8 unless 'dequantize' converts its weights to --dtype on load"
+CACHE_HELP = ("keep the compiled step programs in this directory and load them on the next start with the same "
+              "model and limits (default: $JAXMODELS_COMPILATION_CACHE_DIR, else none)")
 
 
 def generate(args) -> None:
@@ -18,7 +20,8 @@ def generate(args) -> None:
     prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.split(",")]
     # One request: compile only the buckets it uses instead of warming up all of them.
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, max_seq_len=args.max_seq_len, warmup=False,
-              num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization)
+              num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
+              compilation_cache_dir=args.compilation_cache)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     (out,) = llm.generate([prompt], params)
@@ -48,7 +51,8 @@ def serve(args) -> None:
                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dp=args.dp, tp=args.tp,
                    max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup,
                    num_speculative_tokens=args.num_speculative_tokens,
-                   quantization=args.quantization, memory_fraction=args.memory_fraction)
+                   quantization=args.quantization, memory_fraction=args.memory_fraction,
+                   compilation_cache_dir=args.compilation_cache)
     serve_forever(app, args.host, args.port)
 
 
@@ -81,6 +85,7 @@ def main(argv=None) -> None:
                      help="prompt + output tokens per request (default: 4096, or max_position_embeddings if smaller)")
     gen.add_argument("--num-speculative-tokens", type=int, default=0, help=SPECULATIVE_HELP)
     gen.add_argument("--quantization", choices=["dequantize"], default=None, help=QUANTIZATION_HELP)
+    gen.add_argument("--compilation-cache", default=None, metavar="DIR", help=CACHE_HELP)
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)")
     srv.add_argument("--model", required=True, help="HF checkpoint directory, or a Hugging Face Hub id")
     srv.add_argument("--served-model-name", help="the id clients send as `model` (default: --model as given)")
@@ -100,6 +105,7 @@ def main(argv=None) -> None:
     srv.add_argument("--num-speculative-tokens", type=int, default=0, help=SPECULATIVE_HELP)
     srv.add_argument("--max-queued-requests", type=int, default=1024,
                      help="requests held beyond the running batch; past that, new ones get 503")
+    srv.add_argument("--compilation-cache", default=None, metavar="DIR", help=CACHE_HELP)
     srv.add_argument("--no-warmup", action="store_true",
                      help="compile buckets on first use instead of at start (faster start, slower first requests)")
     args = parser.parse_args(argv)

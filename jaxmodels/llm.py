@@ -5,6 +5,7 @@ import os
 
 import jax.numpy as jnp
 
+from jaxmodels.compilation_cache import use_compilation_cache
 from jaxmodels.engine.engine import Engine, InvalidRequest
 from jaxmodels.engine.request import SamplingParams
 from jaxmodels.hub import resolve_model_path
@@ -45,7 +46,7 @@ class LLM:
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None,
                  memory_fraction: float | None = None, matmul_precision: str | None = None, overlap: bool = True,
                  mamba_ssm_cache_dtype: str | None = None, num_speculative_tokens: int = 0,
-                 quantization: str | None = None):
+                 quantization: str | None = None, compilation_cache_dir: str | None = None):
         """Load `path` (an HF checkpoint directory, or `model=` an already built model) and start the engine.
 
         `dtype` is the weights' and activations' dtype and the compute precision (float32 means full float32
@@ -59,12 +60,15 @@ class LLM:
         activations and the other params); `quantization="dequantize"` converts them to `dtype` on load instead.
         `max_seq_len` bounds prompt plus output of one request: by default 4096 or the model's
         max_position_embeddings if smaller, at most the latter.
+        `compilation_cache_dir` (or $JAXMODELS_COMPILATION_CACHE_DIR) keeps the compiled step programs on disk, so
+        a later start with the same model and limits loads them instead of compiling (jaxmodels.compilation_cache).
         The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).
         """
         # dp x tp devices: each of the dp groups serves its own requests from its own cache pools (max_batch_size
         # / dp each), attention heads and KV pages split over the group's tp devices; MLP / MoE weights split over
         # all devices, their layers exchanging tokens between groups (see sharding.rules, engine.runner).
+        use_compilation_cache(compilation_cache_dir)
         mesh = make_mesh(dp, tp) if dp * tp > 1 else None
         path = resolve_model_path(path) if path is not None else None  # a Hub id -> its snapshot directory
         # MTP layers are loaded only to draft with: otherwise they would only take memory (a DeepSeek one is an MoE

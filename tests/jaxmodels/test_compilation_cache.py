@@ -1,0 +1,51 @@
+"""The persistent compilation cache: a second process with the same checkpoint and limits loads every step program
+the first one compiled, and generates the same tokens."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.hf_models import make_nemotron_h, save
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# One engine start in a fresh process: warm-up of a few buckets, a greedy generate, and JAX's cache counters.
+START = """
+import json, sys
+import jax
+import jaxmodels
+
+counts = {"requests": 0, "hits": 0}
+names = {"/jax/compilation_cache/compile_requests_use_cache": "requests", "/jax/compilation_cache/cache_hits": "hits"}
+
+def count(event, **kwargs):
+    if event in names:
+        counts[names[event]] += 1
+
+jax.monitoring.register_event_listener(count)
+path, cache = sys.argv[1:]
+llm = jaxmodels.LLM(path, dtype="float32", max_batch_size=2, max_seq_len=64, prefill_sizes=[16],
+                    decode_sizes=[1, 2], progress=False, compilation_cache_dir=cache)
+outs = llm.generate([[5, 6, 7, 8], [9, 10, 11]], jaxmodels.SamplingParams(max_new_tokens=6, temperature=0.0))
+print(json.dumps(dict(counts, tokens=[o.token_ids for o in outs])))
+"""
+
+
+def start_engine(path, cache) -> dict:
+    result = subprocess.run([sys.executable, "-c", START, str(path), str(cache)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_start_loads_every_program_and_gives_the_same_tokens(tmp_path):
+    path = save(make_nemotron_h("dense"), tmp_path / "model")
+    cache = tmp_path / "cache"
+    cold = start_engine(path, cache)
+    assert cold["requests"] > 0 and cold["hits"] == 0
+    assert len(os.listdir(cache)) > 0
+    warm = start_engine(path, cache)
+    assert warm["requests"] == cold["requests"]
+    assert warm["hits"] == warm["requests"]  # nothing compiled again: model building, warm-up and sampling
+    assert warm["tokens"] == cold["tokens"]
