@@ -398,11 +398,26 @@ def tune_span(rows, Ts=(8192, 32768), shapes=("nano9b",)):
             coordinate_search(rows, "tune-span", name, T, scan_inputs(key, T, H, P, N, G, 1), best, search)
 
 
+def max_relative_difference(got, want) -> float:
+    """max |got - want| / max |want|, computed on the device (the arrays may be GBs)."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
+def update_variants(P):
+    """The state update's options to time: head-dim block x warps at the default launch order, then the default
+    tiles with the other launch order and / or evict-first state traffic (`_update_pallas`)."""
+    tiles = [dict(block_p=block_p, num_warps=warps) for block_p in sorted({min(b, P & -P) for b in (16, 32, 64)})
+             for warps in (2, 4, 8)]
+    orders = [dict(requests_first=False), dict(stream=True), dict(requests_first=False, stream=True)]
+    return tiles + orders
+
+
 def tune_update(rows):
-    """Tiles of the decode state update at B=256, fp32 and bf16 state: head-dim block and warps.
+    """Tiles and launch orders of the decode state update at B=256, fp32 and bf16 state (update_variants).
 
     Run on 2026-11-30 (with a whole-head-per-program variant and unmasked loads, not kept): every tiling moved the
-    state at 3.3-3.7 TB/s, within 3% of the default (block_p 32, 4 warps)."""
+    state at 3.3-3.7 TB/s, within 3% of the default (block_p 32, 4 warps). The launch orders are not yet timed."""
     from pallas_kernels.mamba_state_update_pallas import ssd_state_update_pallas
 
     key = jax.random.PRNGKey(3)
@@ -413,20 +428,26 @@ def tune_update(rows):
             inp["state"] = inp["state"].astype(state_dtype)
             nbytes = 2 * 256 * H * P * N * jnp.dtype(state_dtype).itemsize
             rest = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "slot_ids")]
-            for block_p in sorted({min(b, P & -P) for b in (16, 32, 64)}):  # head-dim blocks that divide P
-                for warps in (2, 4, 8):
-                    v = dict(block_p=block_p, num_warps=warps)
-                    f = jax.jit(lambda st, x, dt, A, B, C, D, dtb, ids, v=v: ssd_state_update_pallas(
-                        st, x, dt, A, B, C, D=D, dt_bias=dtb, slot_ids=ids, **v), donate_argnums=(0,))
+            first = None  # the first variant's (y, state): every variant must give them, up to summation order
+            for v in update_variants(P):
+                f = jax.jit(lambda st, x, dt, A, B, C, D, dtb, ids, v=v: ssd_state_update_pallas(
+                    st, x, dt, A, B, C, D=D, dt_bias=dtb, slot_ids=ids, interpret=INTERPRET, **v), donate_argnums=(0,))
+                y, new = f(jnp.copy(inp["state"]), *rest)
+                first = first or (y, new[1:])
+                for got, want in ((y, first[0]), (new[1:], first[1])):
+                    err = max_relative_difference(got, want)
+                    if err > (1e-6 if want.dtype == jnp.float32 else 1e-2):
+                        log(f"FAILED state_update variant {v}: {err:.1e} from {update_variants(P)[0]}'s results")
+                del y, new
 
-                    def call(state, *r, f=f):
-                        y, new = f(state, *r)
-                        return y, (new, *r)
-                    t = time_fn(call, lambda: (jnp.copy(inp["state"]), *rest))
-                    log(f"tune state_update {name} {jnp.dtype(state_dtype).name} B=256 {v}: {t * 1e6:.0f} us "
-                        f"{nbytes / t / 1e12:.2f} TB/s")
-                    rows.append(dict(kind="tune_update", shape=name, dtype=jnp.dtype(state_dtype).name, variant=v,
-                                     us=t * 1e6))
+                def call(state, *r, f=f):
+                    y, new = f(state, *r)
+                    return y, (new, *r)
+                t = time_fn(call, lambda: (jnp.copy(inp["state"]), *rest))
+                log(f"tune state_update {name} {jnp.dtype(state_dtype).name} B=256 {v}: {t * 1e6:.0f} us "
+                    f"{nbytes / t / 1e12:.2f} TB/s")
+                rows.append(dict(kind="tune_update", shape=name, dtype=jnp.dtype(state_dtype).name, variant=v,
+                                 us=t * 1e6))
 
 
 def tune_conv(rows):

@@ -30,10 +30,11 @@ _f32 = jnp.float32
 
 
 def _update_kernel(slot_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, state_in_ref, y_ref, state_ref, *,
-                   P, N, R, BP, BN, npb, dt_softplus, a_log, x_off, b_off, c_off, dt_off):
+                   P, N, R, BP, BN, npb, dt_softplus, a_log, x_off, b_off, c_off, dt_off, request_axis, evict):
     del state_in_ref  # aliased to state_ref
-    b = pl.program_id(0)
-    h, g, p0, pmask, nmask, pn_mask = head_tile(pl.program_id(1), npb=npb, BP=BP, BN=BN, P=P, N=N, R=R)
+    b = pl.program_id(request_axis)
+    h, g, p0, pmask, nmask, pn_mask = head_tile(pl.program_id(1 - request_axis), npb=npb, BP=BP, BN=BN, P=P, N=N,
+                                                R=R)
     slot = slot_ref[b]
 
     dt = dt_ref[b, dt_off + h].astype(_f32) + dtb_ref[h].astype(_f32)
@@ -45,18 +46,24 @@ def _update_kernel(slot_ref, x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref,
     bv = plgpu.load(b_ref.at[b, pl.ds(b_off + g * N, BN)], mask=nmask, other=0.0).astype(_f32)
     cv = plgpu.load(c_ref.at[b, pl.ds(c_off + g * N, BN)], mask=nmask, other=0.0).astype(_f32)
     tile = state_ref.at[slot, h, pl.ds(p0, BP), pl.ds(0, BN)]
-    st = plgpu.load(tile, mask=pn_mask, other=0.0).astype(_f32)
+    st = plgpu.load(tile, mask=pn_mask, other=0.0, eviction_policy=evict).astype(_f32)
     st = st * decay + (dt * x)[:, None] * bv[None, :]
-    plgpu.store(tile, st.astype(state_ref.dtype), mask=pn_mask)
+    plgpu.store(tile, st.astype(state_ref.dtype), mask=pn_mask, eviction_policy=evict)
     y = jnp.sum(st * cv[None, :], axis=1) + d_ref[h].astype(_f32) * x
     plgpu.store(y_ref.at[b, h, pl.ds(p0, BP)], y.astype(y_ref.dtype), mask=pmask)
 
 
 @functools.partial(jax.jit, static_argnames=("G", "offsets", "dt_softplus", "a_log", "block_p", "num_warps",
-                                             "interpret"))
+                                             "requests_first", "stream", "interpret"))
 def _update_pallas(state, x, dt, A, B, C, D, dt_bias, slot_ids, *, G, offsets, dt_softplus, a_log, block_p, num_warps,
-                   interpret):
-    """x, dt, B, C: 2-D [batch, columns]; offsets = their first columns (x, B, C, dt)."""
+                   requests_first=True, stream=False, interpret):
+    """x, dt, B, C: 2-D [batch, columns]; offsets = their first columns (x, B, C, dt).
+
+    Launch order (untimed alternatives, for `bench/mamba_kernels.py --tune-update`): `requests_first` (the default)
+    puts the request on the grid's first axis, which Triton launches fastest, so programs running together update the
+    same tile of many requests' states, 5 MB apart; False walks one request's state (contiguous in the pool) tile after
+    tile, its x, B and C rows shared by neighbouring programs. `stream` marks the state's loads and stores
+    evict-first: each byte is touched once, and the L2 need not keep it from other data."""
     H, P, N = state.shape[1:]
     Bsz = x.shape[0]
     BP = largest_pow2_divisor(P, block_p)  # no masked-off lanes
@@ -64,10 +71,11 @@ def _update_pallas(state, x, dt, A, B, C, D, dt_bias, slot_ids, *, G, offsets, d
     BN = next_pow2(N)
     x_off, b_off, c_off, dt_off = offsets
     kernel = functools.partial(_update_kernel, P=P, N=N, R=H // G, BP=BP, BN=BN, npb=npb, dt_softplus=dt_softplus,
-                               a_log=a_log, x_off=x_off, b_off=b_off, c_off=c_off, dt_off=dt_off)
+                               a_log=a_log, x_off=x_off, b_off=b_off, c_off=c_off, dt_off=dt_off,
+                               request_axis=0 if requests_first else 1, evict="evict_first" if stream else None)
     return pl.pallas_call(
         kernel,
-        grid=(Bsz, H * npb),
+        grid=(Bsz, H * npb) if requests_first else (H * npb, Bsz),
         out_shape=(jax.ShapeDtypeStruct((Bsz, H, P), x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)),
         input_output_aliases={8: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -81,21 +89,22 @@ def _defaults(H, D, dt_bias):
 
 
 def ssd_state_update_pallas(state, x, dt, A, B, C, *, D, dt_bias, slot_ids, dt_softplus=True, interpret=False,
-                            block_p=32, num_warps=4):
+                            block_p=32, num_warps=4, requests_first=True, stream=False):
     Bsz, H, P = x.shape
     G = B.shape[1]
     D, dt_bias = _defaults(H, D, dt_bias)
     flat = lambda a: a.reshape(Bsz, -1)  # free: row-major
     return _update_pallas(state, flat(x), dt, A, flat(B), flat(C), D, dt_bias, slot_ids, G=G, offsets=(0, 0, 0, 0),
                           dt_softplus=dt_softplus, a_log=False, block_p=block_p, num_warps=num_warps,
-                          interpret=interpret)
+                          requests_first=requests_first, stream=stream, interpret=interpret)
 
 
 def ssd_state_update_packed_pallas(state, xbc, dt, A_log, *, n_groups, dt_offset, D, dt_bias, slot_ids,
-                                   dt_softplus=True, interpret=False, block_p=32, num_warps=4):
+                                   dt_softplus=True, interpret=False, block_p=32, num_warps=4, requests_first=True,
+                                   stream=False):
     H, P, N = state.shape[1:]
     D, dt_bias = _defaults(H, D, dt_bias)
     offsets = (0, H * P, H * P + n_groups * N, dt_offset)
     return _update_pallas(state, xbc, dt, A_log, xbc, xbc, D, dt_bias, slot_ids, G=n_groups, offsets=offsets,
                           dt_softplus=dt_softplus, a_log=True, block_p=block_p, num_warps=num_warps,
-                          interpret=interpret)
+                          requests_first=requests_first, stream=stream, interpret=interpret)

@@ -139,3 +139,39 @@ def test_packed_shapes_are_checked():
     with pytest.raises(ValueError, match="shape mismatch"):  # dt's columns run past the array
         ssd_state_update_packed(state, jnp.zeros((2, 4 * 5 + 2 * 2 * 6)), jnp.zeros((2, 6)), jnp.zeros(4),
                                 n_groups=2, dt_offset=3, D=None, dt_bias=None, slot_ids=jnp.zeros(2, jnp.int32))
+
+
+@pytest.mark.parametrize("requests_first, stream", [(False, False), (True, True), (False, True)])
+def test_launch_order_and_streaming_hints_change_no_value(requests_first, stream):
+    """The kernel's launch-order and eviction options (for the H200 sweep) compute the same values bit for bit:
+    each program does the same arithmetic on the same tile, whichever order they run in."""
+    from pallas_kernels.mamba_state_update_pallas import ssd_state_update_pallas
+
+    slots, H, P, G, N, ids = CASES[1]
+    inp = make(np.random.default_rng(33), slots, len(ids), H, P, G, N)
+    args = [inp[k] for k in ("x", "dt", "A", "B", "C")]
+    kwargs = dict(D=inp["D"], dt_bias=inp["dt_bias"], slot_ids=jnp.asarray(ids, jnp.int32), interpret=True)
+    y_default, state_default = ssd_state_update_pallas(jnp.array(inp["state"]), *args, **kwargs)
+    y, state = ssd_state_update_pallas(jnp.array(inp["state"]), *args, **kwargs, requests_first=requests_first,
+                                       stream=stream)
+    assert np.array_equal(np.asarray(y), np.asarray(y_default))
+    assert np.array_equal(np.asarray(state)[1:], np.asarray(state_default)[1:])
+
+
+def test_the_sweep_options_lower_to_triton(cuda_lowering):
+    """Each launch-order / eviction variant the H200 sweep times lowers to a Triton kernel at Nano-9B's shape."""
+    import jax
+
+    from pallas_kernels.mamba_state_update_pallas import ssd_state_update_pallas
+
+    H, P, N, G, B = 128, 80, 128, 8, 256
+    S = jax.ShapeDtypeStruct
+    args = (S((B + 1, H, P, N), jnp.float32), S((B, H, P), jnp.bfloat16), S((B, H), jnp.bfloat16),
+            S((H,), jnp.float32), S((B, G, N), jnp.bfloat16), S((B, G, N), jnp.bfloat16), S((H,), jnp.float32),
+            S((H,), jnp.float32), S((B,), jnp.int32))
+    for requests_first in (True, False):
+        for stream in (False, True):
+            def update(state, x, dt, A, Bm, C, D, dt_bias, slots, requests_first=requests_first, stream=stream):
+                return ssd_state_update_pallas(state, x, dt, A, Bm, C, D=D, dt_bias=dt_bias, slot_ids=slots,
+                                               requests_first=requests_first, stream=stream)
+            assert "triton" in cuda_lowering(jax.jit(update), *args)
