@@ -49,3 +49,14 @@ def test_a_second_start_loads_every_program_and_gives_the_same_tokens(tmp_path):
     assert warm["requests"] == cold["requests"]
     assert warm["hits"] == warm["requests"]  # nothing compiled again: model building, warm-up and sampling
     assert warm["tokens"] == cold["tokens"]
+
+
+def test_the_command_line_fills_the_cache_directory(tmp_path):
+    from tests.jaxmodels.test_cli import run_cli
+
+    path = save(make_nemotron_h("dense"), tmp_path / "model")
+    cache = tmp_path / "cache"
+    out = run_cli("generate", "--model", str(path), "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--dtype",
+                  "float32", "--max-seq-len", "64", "--compilation-cache", str(cache))
+    assert "[3 tokens" in out
+    assert len(os.listdir(cache)) > 0
