@@ -8,7 +8,7 @@ engine limits) loads it instead. Nothing else changes: a program not in the cach
 
 `LLM(..., compilation_cache_dir=DIR)`, `--compilation-cache DIR` on the command line, or the environment variable
 JAXMODELS_COMPILATION_CACHE_DIR. JAX's own `JAX_COMPILATION_CACHE_DIR` works as well (then JAX's threshold applies:
-programs that compiled in under a second are not stored).
+programs that compiled in under a second are not stored); a directory given here takes its place.
 """
 
 import logging
@@ -31,7 +31,8 @@ def use_compilation_cache(directory: str | os.PathLike | None = None) -> str | N
         return current
     directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
     if current and os.path.abspath(current) != directory:
-        raise ValueError(f"JAX's compilation cache is already set to {current}; asked for {directory}")
+        log.warning("compilation cache: %s replaces %s (JAX's setting) for the rest of this process", directory,
+                    current)
     os.makedirs(directory, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", directory)
     # Every step program is worth keeping: JAX by default skips those that compiled in under a second (a small

@@ -32,9 +32,17 @@ print(json.dumps(dict(counts, tokens=[o.token_ids for o in outs])))
 """
 
 
+def clean_env() -> dict:
+    """This process's environment without a JAX cache of its own (the GPU suite sets one for all its tests)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("JAXMODELS_COMPILATION_CACHE_DIR", None)
+    return env
+
+
 def start_engine(path, cache) -> dict:
     result = subprocess.run([sys.executable, "-c", START, str(path), str(cache)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+                            text=True, timeout=600, env=clean_env())
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
