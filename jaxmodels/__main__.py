@@ -8,6 +8,7 @@ import sys
 
 SPECULATIVE_HELP = "draft this many tokens per step with the checkpoint's MTP layers (0: off)"
 QUANTIZATION_HELP = "an FP8 checkpoint runs in FP8 unless 'dequantize' converts its weights to --dtype on load"
+SSM_STATE_HELP = "Nemotron-H's SSM state dtype (default: the config's, float32); bfloat16 halves the state's traffic"
 CACHE_HELP = ("keep the compiled step programs in this directory and load them on the next start with the same "
               "model and limits (default: $JAXMODELS_COMPILATION_CACHE_DIR, else none)")
 
@@ -21,7 +22,7 @@ def generate(args) -> None:
     # One request: compile only the buckets it uses instead of warming up all of them.
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, max_seq_len=args.max_seq_len, warmup=False,
               num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
-              compilation_cache_dir=args.compilation_cache)
+              mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, compilation_cache_dir=args.compilation_cache)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     (out,) = llm.generate([prompt], params)
@@ -52,7 +53,7 @@ def serve(args) -> None:
                    max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup,
                    num_speculative_tokens=args.num_speculative_tokens,
                    quantization=args.quantization, memory_fraction=args.memory_fraction,
-                   compilation_cache_dir=args.compilation_cache)
+                   mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, compilation_cache_dir=args.compilation_cache)
     serve_forever(app, args.host, args.port)
 
 
@@ -85,6 +86,7 @@ def main(argv=None) -> None:
                      help="prompt + output tokens per request (default: 4096, or max_position_embeddings if smaller)")
     gen.add_argument("--num-speculative-tokens", type=int, default=0, help=SPECULATIVE_HELP)
     gen.add_argument("--quantization", choices=["dequantize"], default=None, help=QUANTIZATION_HELP)
+    gen.add_argument("--mamba-ssm-cache-dtype", choices=["float32", "bfloat16"], default=None, help=SSM_STATE_HELP)
     gen.add_argument("--compilation-cache", default=None, metavar="DIR", help=CACHE_HELP)
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)")
     srv.add_argument("--model", required=True, help="HF checkpoint directory, or a Hugging Face Hub id")
@@ -105,6 +107,7 @@ def main(argv=None) -> None:
     srv.add_argument("--num-speculative-tokens", type=int, default=0, help=SPECULATIVE_HELP)
     srv.add_argument("--max-queued-requests", type=int, default=1024,
                      help="requests held beyond the running batch; past that, new ones get 503")
+    srv.add_argument("--mamba-ssm-cache-dtype", choices=["float32", "bfloat16"], default=None, help=SSM_STATE_HELP)
     srv.add_argument("--compilation-cache", default=None, metavar="DIR", help=CACHE_HELP)
     srv.add_argument("--no-warmup", action="store_true",
                      help="compile buckets on first use instead of at start (faster start, slower first requests)")
