@@ -284,9 +284,9 @@ class MoE(nnx.Module):
     def shared_rides_with_experts(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs the shared expert inside the routed experts' grouped matmuls
         (unless JAXMODELS_SHARED_EXPERT_IN_GMM=0, see decode_fusions): a decode step whose tokens times the shared
-        expert's pieces are at most SHARED_IN_GROUPED_MAX_ROWS (ranked by counting), on whole weights (nothing split over dp
-        groups or "tp", no FP8 stacks, no latent projection in front of the experts), and a shared MLP of the
-        experts' kind, without biases, whose intermediate size is a multiple of theirs."""
+        expert's pieces are at most SHARED_IN_GROUPED_MAX_ROWS (ranked by counting), on whole weights (nothing split
+        over dp groups or "tp", no FP8 stacks, no latent projection in front of the experts), and a shared MLP of
+        the experts' kind, without biases, whose intermediate size is a multiple of theirs."""
         shared, experts = self.shared_experts, self.experts
         if not (decode_fusions.SHARED_EXPERT_IN_GMM and decode_fusions.ENABLED) or self.latent_size is not None:
             return False
