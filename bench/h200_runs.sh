@@ -16,6 +16,11 @@ x2() {  # decode at B=256 on a config of bench/configs with the given layout fla
       --batches 256 --decode-steps 24 "$@" > "$log" 2>&1; echo "exit $?"
     grep -A3 "| B |" "$log"; grep -A12 "^| category" "$log" | head -13
   done; }
+switch_bench() {  # decode_profile with the switch $1 on, then off (logs under $OUT/$2 1 and 0), of PROFILE_CONFIGS
+  for on in 1 0; do echo "--- $1=$on"
+    env OUT="$OUT/$2$on" "$1=$on" PROFILE_TIMEOUT=150 \
+      PROFILE_CONFIGS="${PROFILE_CONFIGS:-nemotron_h_nano30b_a3b deepseek_v32_4layer}" bash "$0" decode_profile
+  done; }
 for what in "$@"; do
   echo "=== $what $(date -u +%T)"
   case $what in
@@ -155,20 +160,14 @@ for what in "$@"; do
     shared_gmm_tests) JAXMODELS_SHARED_EXPERT_IN_GMM=1 QUICK_TESTS="tests/pallas_kernels/test_grouped_matmul.py
         tests/jaxmodels/test_moe.py tests/jaxmodels/test_decode_fusions.py tests/engine/test_llm.py
         tests/jaxmodels/test_nemotron_h_parity.py tests/jaxmodels/test_deepseek_v32_parity.py" bash "$0" quick_tests ;;
-    shared_gmm_bench) for on in 1 0; do echo "--- JAXMODELS_SHARED_EXPERT_IN_GMM=$on"
-          OUT="$OUT/shared$on" JAXMODELS_SHARED_EXPERT_IN_GMM=$on PROFILE_TIMEOUT=150 PROFILE_BATCHES=1,8 \
-            PROFILE_CONFIGS="${PROFILE_CONFIGS:-nemotron_h_nano30b_a3b deepseek_v32_4layer}" bash "$0" decode_profile
-        done ;;
+    shared_gmm_bench) PROFILE_BATCHES=1,8 switch_bench JAXMODELS_SHARED_EXPERT_IN_GMM shared ;;
     # The decode fusions (on by default, JAXMODELS_DECODE_FUSIONS=0 turns them off; jaxmodels/layers/decode_fusions.py):
     # their kernels' tests and the model / engine parity tests with them on; then decode with and without them.
     fusions_tests) JAXMODELS_DECODE_FUSIONS=1 QUICK_TESTS="tests/pallas_kernels/test_add_rms_norm.py
         tests/pallas_kernels/test_grouped_matmul.py tests/jaxmodels/test_moe.py tests/jaxmodels/test_decode_fusions.py
         tests/engine/test_llm.py tests/jaxmodels/test_nemotron_h_parity.py tests/jaxmodels/test_deepseek_v32_parity.py" \
         bash "$0" quick_tests ;;
-    fusions_bench) for on in 1 0; do echo "--- JAXMODELS_DECODE_FUSIONS=$on"
-          OUT="$OUT/fusions$on" JAXMODELS_DECODE_FUSIONS=$on PROFILE_TIMEOUT=150 \
-            PROFILE_CONFIGS="${PROFILE_CONFIGS:-nemotron_h_nano30b_a3b deepseek_v32_4layer}" bash "$0" decode_profile
-        done ;;
+    fusions_bench) switch_bench JAXMODELS_DECODE_FUSIONS fusions ;;
     # The persistent compilation cache (jaxmodels/compilation_cache.py): the same bench started twice on one cache
     # directory, the warm-up time of each ("buckets compiled in"), and the decode figures (the same programs).
     compile_cache) rm -rf /tmp/jaxcache; for run in cold warm; do echo "--- $run start"
