@@ -10,7 +10,8 @@ SPECULATIVE_HELP = "draft this many tokens per step with the checkpoint's MTP la
 QUANTIZATION_HELP = "an FP8 checkpoint runs in FP8 unless 'dequantize' converts its weights to --dtype on load"
 SSM_STATE_HELP = "Nemotron-H's SSM state dtype (default: the config's, float32); bfloat16 halves the state's traffic"
 CACHE_HELP = ("keep the compiled step programs in this directory and load them on the next start with the same "
-              "model and limits (default: $JAXMODELS_COMPILATION_CACHE_DIR, else none)")
+              "model and limits; 'off' compiles without (default: $JAXMODELS_COMPILATION_CACHE_DIR, else JAX's own "
+              "cache directory if set, else ~/.cache/jaxmodels/xla)")
 
 
 def generate(args) -> None:

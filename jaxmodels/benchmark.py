@@ -326,7 +326,8 @@ def parse_args(argv, prog):
     parser.add_argument("--tp", type=int, default=1, help="devices per group splitting attention heads")
     parser.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next")
     parser.add_argument("--compilation-cache", default=None, metavar="DIR",
-                        help="load the compiled step programs from DIR when there, store them there when not")
+                        help="load the compiled step programs from DIR when there, store them there when not; 'off': no "
+                        "cache (default: jaxmodels.compilation_cache's, ~/.cache/jaxmodels/xla)")
     parser.add_argument("--compare-transformers", action="store_true")
     parser.add_argument("--torch-device", default="cuda")
     parser.add_argument("--profile", default=None, help="directory for jax.profiler traces")

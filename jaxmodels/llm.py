@@ -60,8 +60,9 @@ class LLM:
         activations and the other params); `quantization="dequantize"` converts them to `dtype` on load instead.
         `max_seq_len` bounds prompt plus output of one request: by default 4096 or the model's
         max_position_embeddings if smaller, at most the latter.
-        `compilation_cache_dir` (or $JAXMODELS_COMPILATION_CACHE_DIR) keeps the compiled step programs on disk, so
-        a later start with the same model and limits loads them instead of compiling (jaxmodels.compilation_cache).
+        The compiled step programs are kept on disk (`compilation_cache_dir`, else $JAXMODELS_COMPILATION_CACHE_DIR,
+        else JAX's own cache directory, else ~/.cache/jaxmodels/xla; "off" turns it off), so a later start with the
+        same model and limits loads them instead of compiling (jaxmodels.compilation_cache).
         The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).
         """

@@ -11,6 +11,10 @@ import os
 # Without this JAX takes 75% of the GPU at start: parallel test workers and the subprocesses some tests start (the
 # CLI, the demo) would then run out of memory. No effect on CPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# The engine's compilation cache (on by default, under ~/.cache) stays off in tests, for them and the processes they
+# start: a test's outcome must not depend on what an earlier run left on disk. test_compilation_cache.py turns it on
+# where it is the subject; the GPU suite sets JAX's own cache (bench/gpu_check.sh), which still applies.
+os.environ.setdefault("JAXMODELS_COMPILATION_CACHE_DIR", "off")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,5 +1,5 @@
 """The persistent compilation cache: a second process with the same checkpoint and limits loads every step program
-the first one compiled, and generates the same tokens."""
+the first one compiled, and generates the same tokens; where the cache lives when nothing names it, and "off"."""
 
 import json
 import os
@@ -68,3 +68,36 @@ def test_the_command_line_fills_the_cache_directory(tmp_path):
                   "float32", "--max-seq-len", "64", "--compilation-cache", str(cache))
     assert "[3 tokens" in out
     assert len(os.listdir(cache)) > 0
+
+
+# A fresh process: the engine's choice of cache directory, then one compilation, which JAX stores there if anything.
+CHOOSE = """
+import json
+import jax, jax.numpy as jnp
+from jaxmodels.compilation_cache import use_compilation_cache
+
+directory = use_compilation_cache()
+jax.jit(lambda x: x * 3 + 1)(jnp.arange(4.0)).block_until_ready()
+print(json.dumps(dict(directory=directory)))
+"""
+
+
+def choose_directory(tmp_path, **env) -> str | None:
+    result = subprocess.run([sys.executable, "-c", CHOOSE], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(clean_env(), XDG_CACHE_HOME=str(tmp_path / "xdg"), **env))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])["directory"]
+
+
+def test_by_default_the_cache_lives_under_the_user_cache_directory(tmp_path):
+    default = tmp_path / "xdg" / "jaxmodels" / "xla"
+    assert choose_directory(tmp_path) == str(default)
+    assert len(os.listdir(default)) > 0  # the one program compiled, stored
+
+
+def test_off_turns_the_engines_cache_off_and_jax_own_setting_is_kept(tmp_path):
+    assert choose_directory(tmp_path, JAXMODELS_COMPILATION_CACHE_DIR="off") is None
+    assert not (tmp_path / "xdg").exists()
+    own = tmp_path / "jax_own"
+    assert choose_directory(tmp_path, JAX_COMPILATION_CACHE_DIR=str(own)) == str(own)
+    assert not (tmp_path / "xdg").exists()
