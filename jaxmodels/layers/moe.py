@@ -97,6 +97,14 @@ def expert_ranks(experts: jax.Array, num_experts: int):
     return rank, group_sizes
 
 
+def _weighted_sum(sorted_out: jax.Array, rank: jax.Array, weights: jax.Array, dtype) -> jax.Array:
+    """Expert outputs in sorted order [R, D], pair p's row at rank[p], routing weights [N, k] -> the weighted sum over
+    each token's k pairs [N, D]: weighting and sum in float32, in slot order, as transformers accumulates them."""
+    num_tokens, top_k = weights.shape
+    out = sorted_out[rank].reshape(num_tokens, top_k, sorted_out.shape[-1]).astype(jnp.float32)
+    return jnp.sum(out * weights[..., None], axis=1).astype(dtype)
+
+
 def _held_stack_shape(weights) -> tuple[int, int, int]:
     """(experts, in, out) this device holds of a projection stack: dense [E, in, out], or FP8 [E, out, in]."""
     if isinstance(weights, Fp8ExpertStack):
@@ -188,15 +196,13 @@ class RoutedExperts(nnx.Module):
             # Row rank[p] of the sorted rows is pair p's token; every pair owns one row (rank is a permutation).
             pairs = jnp.broadcast_to(x[:, None, :], (num_tokens, top_k, width)).reshape(-1, width)
             rows = jnp.zeros_like(pairs).at[rank].set(pairs, unique_indices=True)
-            out = self._expert_mlp(rows, group_sizes, extras)[rank].reshape(num_tokens, top_k, width)
-            # Weighting and the sum over experts in float32, as transformers accumulates them.
-            return jnp.sum(out.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+            return _weighted_sum(self._expert_mlp(rows, group_sizes, extras), rank, weights, x.dtype)
         order, group_sizes = sort_by_expert(local, held + 1)
-        token_of_row = order // top_k
-        out = self._expert_mlp(x[token_of_row], group_sizes[:held])
-        out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        summed = jnp.zeros((num_tokens, width), jnp.float32).at[token_of_row].add(out)
-        return summed.astype(x.dtype)
+        out = self._expert_mlp(x[order // top_k], group_sizes[:held])
+        # Back to the pairs' order through the inverse permutation, a gather: scatter-adding the rows into their
+        # tokens instead took 0.34 ms a layer of the Nano-30B class's 8192-token prefill on the H200 (atomics).
+        rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+        return _weighted_sum(out, rank, weights, x.dtype)
 
     def _expert_mlp(self, rows: jax.Array, group_sizes: jax.Array, extras: dict | None = None) -> jax.Array:
         """Rows sorted by expert (group_sizes[e] rows of expert e, then rows of no held expert) -> each row through
