@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -174,6 +174,14 @@ for what in "$@"; do
           timeout 250 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
             --phases decode --batches 1,8 --decode-steps 16 --compilation-cache /tmp/jaxcache 2>&1 \
             | grep "compiled in\|^| 1 \|^| 8 "; done; du -sh /tmp/jaxcache; ls /tmp/jaxcache | wc -l ;;
+    # The launch thread (engine.runner, off by default): its two tests on the GPU, then decode of PROFILE_CONFIGS at
+    # 1 and 256 sequences without and with it (host ms / step is the scheduling thread's with it).
+    launch_thread) QUICK_TESTS="tests/engine/test_llm.py::test_overlapped_loop_gives_the_plain_loops_tokens
+        tests/engine/test_speculative.py::test_preemption_with_speculation_is_lossless" bash "$0" quick_tests
+        for config in ${PROFILE_CONFIGS:-nemotron_h_nano9b nemotron_h_nano30b_a3b}; do
+          for flag in "" --launch-thread; do echo "--- $config ${flag:-(no launch thread)}"
+            timeout 150 python3 -m jaxmodels bench --no-progress --config "bench/configs/$config.json" --phases decode \
+              --batches 1,256 --decode-steps 32 $flag 2>&1 | grep -A4 "^| B |"; done; done ;;
     # The GPU tests of the files named in QUICK_TESTS (pytest node ids), in 8 workers as the suite runs.
     quick_tests) OUT="$OUT/quick" GPU_CHECK_TESTS="$QUICK_TESTS" bash "$0" suite ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;

@@ -325,9 +325,12 @@ def parse_args(argv, prog):
     parser.add_argument("--dp", type=int, default=1, help="data-parallel groups (each its own requests)")
     parser.add_argument("--tp", type=int, default=1, help="devices per group splitting attention heads")
     parser.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next")
+    parser.add_argument("--launch-thread", action="store_true",
+                        help="launch each step from a thread of its own (engine.runner; host time is then the "
+                        "scheduling thread's)")
     parser.add_argument("--compilation-cache", default=None, metavar="DIR",
-                        help="load the compiled step programs from DIR when there, store them there when not; 'off': no "
-                        "cache (default: jaxmodels.compilation_cache's, ~/.cache/jaxmodels/xla)")
+                        help="load the compiled step programs from DIR when there, store them there when not; 'off': "
+                        "no cache (default: jaxmodels.compilation_cache's, ~/.cache/jaxmodels/xla)")
     parser.add_argument("--compare-transformers", action="store_true")
     parser.add_argument("--torch-device", default="cuda")
     parser.add_argument("--profile", default=None, help="directory for jax.profiler traces")
@@ -379,8 +382,9 @@ def main(argv=None, prog: str | None = None) -> None:
     costs = model_costs(model.config, model_params(model), args.dtype, args.mamba_ssm_cache_dtype)
     start = time.perf_counter()
     llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, overlap=not args.no_overlap, dp=args.dp, tp=args.tp,
-                        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, progress=not args.no_progress,
-                        compilation_cache_dir=args.compilation_cache, **engine_limits(args, phases))
+                        launch_thread=args.launch_thread, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                        progress=not args.no_progress, compilation_cache_dir=args.compilation_cache,
+                        **engine_limits(args, phases))
     del model  # on a mesh the engine holds the sharded copy; the one-device weights must not stay beside it
     results["compile_s"] = time.perf_counter() - start
     vocab = raw["vocab_size"]

@@ -67,7 +67,7 @@ class Engine:
                  warmup: bool = True, progress: bool = True,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None, mesh=None,
                  memory_fraction: float | None = None, overlap: bool = True, mamba_ssm_cache_dtype=None,
-                 matmul_precision: str | None = None, num_speculative_tokens: int = 0):
+                 matmul_precision: str | None = None, num_speculative_tokens: int = 0, launch_thread: bool = False):
         """`max_seq_len` (prompt plus output tokens of one request) may go up to the model's
         `max_position_embeddings` (the YaRN-extended length where the config has YaRN); by default
         min(DEFAULT_MAX_SEQ_LEN, that).
@@ -84,6 +84,8 @@ class Engine:
         its own pools: `num_pages`, `decode_sizes` and `prefill_sizes` are per group (see engine.runner).
 
         `overlap=False` reads every step's tokens before scheduling the next (same outputs, slower).
+        `launch_thread` sends each step's transfers and executables from a thread of their own, so this one reads
+        and accounts for the step before while the next is being launched (same outputs; see engine.runner).
         `mamba_ssm_cache_dtype` overrides the config's SSM state dtype (e.g. "bfloat16" halves the state traffic).
         `matmul_precision` overrides the precision the model's dtype implies (see jaxmodels.precision).
         `num_speculative_tokens` k > 0 drafts k tokens per step with the model's MTP layers and verifies them in one
@@ -139,7 +141,7 @@ class Engine:
                                           max_prefill_tokens=max_prefill_tokens, max_seq_len=max_seq_len,
                                           num_speculative_tokens=k)
         self.runner = Runner(step, self.sizes, decode_sizes=decode_sizes, prefill_sizes=prefill_sizes,
-                             max_seqs_per_extend=group_batch, mesh=mesh)
+                             max_seqs_per_extend=group_batch, mesh=mesh, launch_thread=launch_thread)
         if warmup:
             self.runner.warmup(progress)
         self.eos_ids = frozenset(self.config.eos_token_id)
@@ -264,7 +266,8 @@ class Engine:
         """Counters since start (or since `reset_metrics`), and the pools' state now.
 
         host_s_per_step: time the loop spends on the host per step (scheduling, batches, dispatch, accounting), i.e.
-        inside step() but not blocked on the device; with overlap it runs while the device computes, so what matters
+        inside step() but not blocked on the device (with a launch thread, dispatch is that thread's and waiting for
+        it counts as blocked); with overlap it runs while the device computes, so what matters
         is that it stays below the device's step time. wall_s_per_step: time per step as the caller sees it; with
         overlap and host time below device time, that is the device's step time.
         """

@@ -12,6 +12,13 @@ With speculative decoding (engine.speculative) an extend step is three executabl
 the hidden states; the sampler; the MTP layer's pass and drafts, kept per slot in `drafts`), and a decode step is
 one VERIFY executable per bucket and sampler kind (verification, acceptance, commit and the next drafts).
 
+With `launch_thread`, the device half of each step (the batch's transfers and the executables' calls, whose launch
+on the GPU costs about a millisecond a step: PJRT's Execute and the CUDA graph's launch) runs on one thread of its
+own, in the order the steps were sent, and `launch` returns a future of the tokens: the scheduling thread goes on to
+read the step before and account for it meanwhile. The batches are built on the calling thread, into fresh arrays, so
+the launch thread reads nothing the scheduler changes afterwards; only that thread touches the caches, `last_tokens`
+and `drafts` while steps are in flight, and a step's future is done before its tokens are read.
+
 On a ("dp", "tp") mesh both executables run inside a `shard_map` that is manual over "dp" (and leaves "tp" to the
 compiler): each dp group of devices holds its own slice of the caches' pools, of `last_tokens` and of the batch,
 which are whole single-group pools and batches with group-local slot and page ids, so the model's layers run as on
@@ -118,9 +125,11 @@ def _concat_groups(parts: list):
 
 
 class Runner:
-    def __init__(self, step, sizes, *, decode_sizes, prefill_sizes, max_seqs_per_extend: int, mesh=None):
+    def __init__(self, step, sizes, *, decode_sizes, prefill_sizes, max_seqs_per_extend: int, mesh=None,
+                 launch_thread: bool = False):
         """`sizes` are one dp group's pools. With a `mesh`, params and caches are sharded by `sharding`'s rules
-        (cache pools over "dp") and the executables keep the caches' shardings from step to step."""
+        (cache pools over "dp") and the executables keep the caches' shardings from step to step. `launch_thread`:
+        see the module docstring."""
         self.step, self.sizes = step, sizes
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs = max_seqs_per_extend
@@ -159,6 +168,8 @@ class Runner:
                                                  ("rows", "caches"), donate=(1,))
         # Compiled executables by job (see jobs).
         self._compiled: dict[tuple, object] = {}
+        self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmodels-launch")
+                          if launch_thread else None)
         self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
     def _shard_over(self, mesh, params: dict, cache_shapes) -> None:
@@ -305,10 +316,19 @@ class Runner:
             self.params, self.caches, self.last_tokens, self.drafts, batch, knobs)
         return result
 
+    def _send(self, device_half, *args):
+        """`device_half(*args)` (a step's transfers and executables): on the launch thread, as a future of its
+        result, or here."""
+        if self._launcher is None:
+            return device_half(*args)
+        return self._launcher.submit(device_half, *args)
+
     @staticmethod
     def read(tokens) -> np.ndarray:
-        """A step's sampled tokens on the host (waits for them); from every process's devices in a multi-process
-        job."""
+        """A step's sampled tokens on the host (waits for them, and for their launch on the launch thread); from
+        every process's devices in a multi-process job."""
+        if isinstance(tokens, concurrent.futures.Future):
+            tokens = tokens.result()
         if tokens.is_fully_addressable:
             return np.asarray(tokens)
         from jax.experimental import multihost_utils
@@ -317,16 +337,19 @@ class Runner:
 
     def launch(self, kind: StepKind, works: list, tables: list) -> tuple[object, int]:
         """Send one step of every dp group's work (works[g]: group g's chunks or requests, [] when idle; tables[g]
-        its slot tables) -> (its results as a device array, not waited for, with rows per group: the sampled token
-        of each chunk or request, or for VERIFY the k+1 tokens and the number of drafts accepted)."""
+        its slot tables) -> (its results as a device array, not waited for, or with a launch thread a future of
+        it; with rows per group: the sampled token of each chunk or request, or for VERIFY the k+1 tokens and the
+        number of drafts accepted). Read them with `read`."""
         if kind is StepKind.EXTEND:
             n = bucket_for(self.prefill_sizes, max(sum(chunk.length for chunk in chunks) for chunks in works))
             parts = [extend_batch(chunks, n, self.max_seqs, t) for chunks, t in zip(works, tables)]
             if self.speculative:
                 following = np.concatenate([next_tokens(chunks, n) for chunks in works])
-                return self._run_extend_and_draft(n, *_concat_groups(parts), following), self.max_seqs
-            return self._run(kind, n, *_concat_groups(parts)), self.max_seqs
+                return self._send(self._run_extend_and_draft, n, *_concat_groups(parts), following), self.max_seqs
+            return self._send(self._run, kind, n, *_concat_groups(parts)), self.max_seqs
         n = bucket_for(self.decode_sizes, max(map(len, works)))
         if kind is StepKind.VERIFY:
-            return self._run_verify(n, *_concat_groups([verify_batch(r, n, t) for r, t in zip(works, tables)])), n
-        return self._run(kind, n, *_concat_groups([decode_batch(r, n, t) for r, t in zip(works, tables)])), n
+            parts = [verify_batch(r, n, t) for r, t in zip(works, tables)]
+            return self._send(self._run_verify, n, *_concat_groups(parts)), n
+        parts = [decode_batch(r, n, t) for r, t in zip(works, tables)]
+        return self._send(self._run, kind, n, *_concat_groups(parts)), n

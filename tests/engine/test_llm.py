@@ -6,6 +6,7 @@ prompts of 13 and 27 tokens span several Mamba chunks and several prefill steps.
 """
 
 import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -248,13 +249,23 @@ def test_text_prompts_use_the_checkpoint_tokenizer(dense, tmp_path):
     assert out.text == tokenizer.decode(out.token_ids)
 
 
-def test_overlapped_loop_gives_the_plain_loops_tokens(tmp_path):
-    """Overlap schedules step N+1 before step N's tokens are read: outputs must not change, with stop tokens that
-    end requests mid-flight and a pool small enough to force preemptions."""
+@pytest.mark.parametrize("launch_thread", [False, True])
+def test_overlapped_loop_gives_the_plain_loops_tokens(tmp_path, launch_thread):
+    """Overlap schedules step N+1 before step N's tokens are read (and with a launch thread, sends it from another
+    thread while this one reads step N): outputs must not change, with stop tokens that end requests mid-flight and
+    a pool small enough to force preemptions."""
     path = save(make_nemotron_h("dense"), tmp_path / "ckpt")
     limits = dict(dtype="float32", max_batch_size=4, max_seq_len=64, max_prefill_tokens=8, page_size=8, num_pages=9,
                   warmup=False, progress=False)
-    plain, overlapped = (jaxmodels.LLM(path, overlap=overlap, **limits) for overlap in (False, True))
+    plain = jaxmodels.LLM(path, overlap=False, **limits)
+    overlapped = jaxmodels.LLM(path, overlap=True, launch_thread=launch_thread, **limits)
+    runner, threads = overlapped.engine.runner, set()
+
+    def run_recording_thread(*args, run=runner._run):
+        threads.add(threading.current_thread().name)
+        return run(*args)
+
+    runner._run = run_recording_thread
     prompts = random_prompts([20, 25, 12, 27, 18, 3], seed=3)
     free_run = plain.generate(prompts, SamplingParams(max_new_tokens=15, temperature=0.0, ignore_eos=True))
     # Stop tokens that end some requests after a few tokens, while their next step is already in flight.
@@ -267,6 +278,7 @@ def test_overlapped_loop_gives_the_plain_loops_tokens(tmp_path):
     assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
     assert "stop" in {o.finish_reason for o in got}
     assert overlapped.engine.scheduler.num_preemptions > 0
+    assert threads == ({"jaxmodels-launch_0"} if launch_thread else {threading.main_thread().name})
 
 
 def test_abort_frees_the_slot_and_pages_and_others_finish(dense):

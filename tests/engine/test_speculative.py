@@ -148,11 +148,14 @@ def test_speculation_needs_mtp_layers(tmp_path):
         jaxmodels.LLM(tmp_path, num_speculative_tokens=2, warmup=False, **LIMITS)
 
 
-def test_preemption_with_speculation_is_lossless(tmp_path):
+@pytest.mark.parametrize("launch_thread", [False, True])
+def test_preemption_with_speculation_is_lossless(tmp_path, launch_thread):
     """A pool of 8 pages of 16 tokens for 4 requests that each need up to 5 (with the draft lookahead): requests are
-    preempted and recomputed, drafts and MTP caches included."""
+    preempted and recomputed, drafts and MTP caches included; the same with the steps (extend and draft, verify)
+    sent from a launch thread."""
     save_with_drafting_mtp("nemotron_h_moe", tmp_path, target_scale=0.1)
-    llm = jaxmodels.LLM(tmp_path, num_speculative_tokens=2, **{**LIMITS, "num_pages": 8})
+    llm = jaxmodels.LLM(tmp_path, num_speculative_tokens=2, launch_thread=launch_thread,
+                        **{**LIMITS, "num_pages": 8})
     prompts = random_prompts([13, 27, 20, 9])
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = [out.token_ids for out in llm.generate(prompts, params)]
