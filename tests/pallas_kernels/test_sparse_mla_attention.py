@@ -69,6 +69,20 @@ def test_split_decode_matches_dense_masked_attention(num_splits, trim):
     assert np.all(np.asarray(got)[2] == 0)
 
 
+@pytest.mark.parametrize("value_blocks,num_splits", [(2, 1), (2, 3), (4, 2)])
+def test_value_blocks_split_the_output_columns(value_blocks, num_splits):
+    """The Dl output columns split over programs (each computes all scores, its own columns of P @ V), alone and
+    with the list split too: the same attention, rows without keys zero. Dl 64: value blocks of at least 16
+    columns, a Triton dot's least."""
+    dl, scale = 64, 0.2
+    q, cache, idx = _problem(jax.random.key(8), dl=dl)
+    want = dense_masked_attention(q, cache, idx, scale, dl)
+    got = sparse_mla_attention(q, cache, idx, scale=scale, kv_lora_rank=dl, impl="pallas", interpret=True,
+                               block_h=2, block_k=4, num_splits=num_splits, value_blocks=value_blocks)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[2] == 0)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_listed_counts_bound_the_walk(num_splits):
     """Lists laid out as the indexer lays them (keys first, then −1) with their counts: the kernel walks only the
@@ -132,7 +146,8 @@ def test_logical_to_cache_rows():
 def test_sparse_mla_lowers_to_triton(cuda_lowering):
     S = jax.ShapeDtypeStruct
     for options in [dict(), dict(num_splits=8), dict(num_splits=4, block_h=64, num_warps=8, num_stages=2),
-                    dict(num_splits=1, trim=False, block_k=64, num_stages=3)]:
+                    dict(num_splits=1, trim=False, block_k=64, num_stages=3),
+                    dict(num_splits=2, trim=False, block_h=64, value_blocks=2, num_warps=8, block_k=64, num_stages=2)]:
         cuda_lowering(jax.jit(lambda q, c, i: sparse_mla_attention(q, c, i, scale=0.1, impl="pallas", **options)),
                       S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32))
     cuda_lowering(jax.jit(lambda q, c, i, n: sparse_mla_attention(q, c, i, scale=0.1, listed=n, impl="pallas")),
