@@ -259,7 +259,7 @@ def profile_decode(llm, batch: int, prompt_len: int, steps: int, vocab: int, rng
     def decode_steps():
         for _ in range(steps):
             engine.step()
-        jax.block_until_ready(engine.runner.caches)
+        engine.runner.block_until_ready()
 
     traced(path, decode_steps)
     while engine.has_work():

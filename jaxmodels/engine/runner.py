@@ -323,6 +323,12 @@ class Runner:
             return device_half(*args)
         return self._launcher.submit(device_half, *args)
 
+    def block_until_ready(self) -> None:
+        """Wait until every step sent so far has been launched (on the launch thread, if any) and has run."""
+        if self._launcher is not None:
+            self._launcher.submit(lambda: None).result()  # the thread runs its queue in order
+        jax.block_until_ready(self.caches)
+
     @staticmethod
     def read(tokens) -> np.ndarray:
         """A step's sampled tokens on the host (waits for them, and for their launch on the launch thread); from

@@ -4,6 +4,7 @@ transformers comparator included, and reports every phase."""
 import json
 
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from jaxmodels.__main__ import main
@@ -44,15 +45,17 @@ def test_benchmark_reports_every_phase(tmp_path, capsys):
     assert out.strip().splitlines()[-1].startswith("headline: decode B=4")
 
 
-def test_profile_covers_only_the_measured_phases(tmp_path, capsys):
+@pytest.mark.parametrize("launch_thread", [[], ["--launch-thread"]])
+def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread):
     """Without the prefill phase the engine is not sized for the (default 4096-token) prefill prompt, so the
-    profile must not run it; the results JSON is written before profiling."""
+    profile must not run it; the results JSON is written before profiling. With a launch thread the traced steps
+    end with that thread's last launch (Runner.block_until_ready), not with caches it has yet to replace."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
     results = tmp_path / "results.json"
     main(["bench", "--config", str(config), "--layers", "2", "--phases", "decode", "--batches", "2",
           "--prompt-len", "8", "--decode-steps", "4", "--dtype", "float32", "--no-progress",
-          "--json", str(results), "--profile", str(tmp_path / "traces")])
+          "--json", str(results), "--profile", str(tmp_path / "traces"), *launch_thread])
     out = capsys.readouterr().out
     assert json.loads(results.read_text())["decode"][0]["batch"] == 2
     assert "## profile: decode B=2" in out
