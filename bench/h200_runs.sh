@@ -69,7 +69,8 @@ for what in "$@"; do
     x2_serve) for dp in "--dp 2" ""; do echo "--- serve $dp"
           timeout 280 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
             --phases serve --serve 256 --serve-in 1024 --serve-out 1024 --arrival-rate 0 $dp \
-            > "$OUT/x2_serve${dp// /}.log" 2>&1; echo "exit $?"; tail -12 "$OUT/x2_serve${dp// /}.log"; done ;;
+            --prefill-chunk "${SERVE_CHUNK:-8192}" > "$OUT/x2_serve${dp// /}.log" 2>&1  # chunks as nano30b_serve's
+          echo "exit $?"; tail -12 "$OUT/x2_serve${dp// /}.log"; done ;;
     deepseek) bench --config bench/configs/deepseek_v32_4layer.json --phases prefill --prefill-chunk 4096 \
         --json "$OUT/deepseek.json" 2>&1 | tail -12 ;;
     long_tests) python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_large_pools.py \
