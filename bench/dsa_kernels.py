@@ -390,7 +390,9 @@ def bench_sparse_mla_prefill(quick):
     floor = 2 * T * H * k * (576 + 512) / BF16_PEAK
     variants = [dict()] if quick else [  # dict() = the defaults for a prefill chunk (PREFILL_TILES)
         dict(), dict(block_k=32, num_stages=1), dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
-        dict(block_k=128, num_stages=2), dict(block_h=64, block_k=64, num_stages=3)]
+        dict(block_k=128, num_stages=2), dict(block_h=64, block_k=64, num_stages=3),
+        dict(block_h=64, value_blocks=2, num_warps=8, block_k=64, num_stages=2),  # value blocks: see mla_variants
+        dict(block_h=128, value_blocks=4, num_warps=8, block_k=64, num_stages=2)]
     for opts in variants:
         f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
         row(f"sparse MLA prefill T={T} {opts}", timeit(f, q, cache, idx), None, floor, "floor = FLOPs at 810 TFLOP/s")
