@@ -124,7 +124,7 @@ for what in "$@"; do
           timeout 150 python3 -m jaxmodels bench --no-progress --config bench/configs/deepseek_v32_4layer.json \
             --phases decode --batches 1 --decode-steps 24 $fp8 --profile "/tmp/prof_b1$fp8" > "$log" 2>&1
           echo "--- ${fp8:-bf16}: exit $?"; grep -A40 "^| B\|^| category\|^| op" "$log" | head -45; done ;;
-    mla_b128) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
+    mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     mla_small) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --only mla_decode --mla-batches 16,32 \
         --log "$OUT/mla_small.log" 2>&1 | grep -v Warning | grep "B=" | tail -40 ;;
