@@ -55,30 +55,19 @@ def test_sparse_mla_matches_dense_masked_attention():
     assert np.all(np.asarray(got)[2] == 0)
 
 
-@pytest.mark.parametrize("num_splits,trim", [(2, True), (4, True), (3, False), (1, True)])
-def test_split_decode_matches_dense_masked_attention(num_splits, trim):
+@pytest.mark.parametrize("num_splits,trim,value_blocks", [(2, True, 1), (4, True, 1), (3, False, 1), (1, True, 1),
+                                                        (1, True, 2), (3, True, 2), (2, False, 4)])
+def test_split_decode_matches_dense_masked_attention(num_splits, trim, value_blocks):
     """The top-k list split over programs (flash-decoding), partial softmax states combined after: splits past a
     row's last key are empty (row 1), a row with no key gives zeros (row 2), holes (row 3); topk 20 is not a
-    multiple of the splits' lengths (8 with trimming, a power of two; 8 then 8 then 8 without)."""
-    dl, scale = 32, 0.2
+    multiple of the splits' lengths (8 with trimming, a power of two; 8 then 8 then 8 without). With value blocks
+    the Dl output columns are split over programs too (each computes all scores, its own columns of P @ V); Dl 64
+    leaves blocks of at least 16 columns, a Triton dot's least."""
+    dl, scale = 64, 0.2
     q, cache, idx = _problem(jax.random.key(4), dl=dl)
     want = dense_masked_attention(q, cache, idx, scale, dl)
     got = sparse_mla_attention(q, cache, idx, scale=scale, kv_lora_rank=dl, impl="pallas", interpret=True,
-                               block_h=2, block_k=4, num_splits=num_splits, trim=trim)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(got)[2] == 0)
-
-
-@pytest.mark.parametrize("value_blocks,num_splits", [(2, 1), (2, 3), (4, 2)])
-def test_value_blocks_split_the_output_columns(value_blocks, num_splits):
-    """The Dl output columns split over programs (each computes all scores, its own columns of P @ V), alone and
-    with the list split too: the same attention, rows without keys zero. Dl 64: value blocks of at least 16
-    columns, a Triton dot's least."""
-    dl, scale = 64, 0.2
-    q, cache, idx = _problem(jax.random.key(8), dl=dl)
-    want = dense_masked_attention(q, cache, idx, scale, dl)
-    got = sparse_mla_attention(q, cache, idx, scale=scale, kv_lora_rank=dl, impl="pallas", interpret=True,
-                               block_h=2, block_k=4, num_splits=num_splits, value_blocks=value_blocks)
+                               block_h=2, block_k=4, num_splits=num_splits, trim=trim, value_blocks=value_blocks)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[2] == 0)
 
