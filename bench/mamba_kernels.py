@@ -431,7 +431,8 @@ def tune_update(rows):
             nbytes = 2 * 256 * H * P * N * jnp.dtype(state_dtype).itemsize
             rest = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "slot_ids")]
             first = None  # the first variant's (y, state): every variant must give them, up to summation order
-            for v in update_variants(P):
+            variants = update_variants(P)
+            for v in variants:
                 f = jax.jit(lambda st, x, dt, A, B, C, D, dtb, ids, v=v: ssd_state_update_pallas(
                     st, x, dt, A, B, C, D=D, dt_bias=dtb, slot_ids=ids, interpret=INTERPRET, **v), donate_argnums=(0,))
                 y, new = f(jnp.copy(inp["state"]), *rest)
@@ -439,7 +440,7 @@ def tune_update(rows):
                 for got, want in ((y, first[0]), (new[1:], first[1])):
                     err = max_relative_difference(got, want)
                     if err > (1e-6 if want.dtype == jnp.float32 else 1e-2):
-                        log(f"FAILED state_update variant {v}: {err:.1e} from {update_variants(P)[0]}'s results")
+                        log(f"FAILED state_update variant {v}: {err:.1e} from {variants[0]}'s results")
                 del y, new
 
                 def call(state, *r, f=f):

@@ -12,11 +12,16 @@ from tests.hf_models import make_nemotron_h, save
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_cli(*args) -> str:
+def run_cli_process(*args) -> subprocess.CompletedProcess:
+    """`python -m jaxmodels *args`, which must succeed; its stdout and stderr (the log) as text."""
     result = subprocess.run([sys.executable, "-m", "jaxmodels", *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return result
+
+
+def run_cli(*args) -> str:
+    return run_cli_process(*args).stdout
 
 
 def test_generate_prints_the_engine_tokens(tmp_path):
@@ -33,11 +38,8 @@ def test_generate_passes_the_ssm_state_dtype(tmp_path):
     """--mamba-ssm-cache-dtype bfloat16 reaches the engine: its pool log names a bf16 state (the config's is
     float32), and the tokens are those of LLM(..., mamba_ssm_cache_dtype="bfloat16")."""
     path = save(make_nemotron_h("dense"), tmp_path)
-    result = subprocess.run([sys.executable, "-m", "jaxmodels", "generate", "--model", str(path), "--prompt-ids",
-                             "5,6,7,8", "--max-new-tokens", "5", "--dtype", "float32", "--max-seq-len", "64",
-                             "--mamba-ssm-cache-dtype", "bfloat16"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli_process("generate", "--model", str(path), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "5",
+                             "--dtype", "float32", "--max-seq-len", "64", "--mamba-ssm-cache-dtype", "bfloat16")
     pools = [line for line in result.stderr.splitlines() if line.startswith("cache pools:")]
     assert pools and "ssm" in pools[0] and all("float32" not in part for part in pools[0].split(";")
                                                if part.strip().startswith("ssm")), pools

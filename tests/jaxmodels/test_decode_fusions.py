@@ -28,9 +28,9 @@ def test_logits_are_the_same_with_the_fusions_on(model_type, monkeypatch):
 
 @pytest.mark.parametrize("model_type, shared", [("deepseek_v32", None), ("nemotron_h", 40)])
 def test_logits_are_the_same_with_the_shared_expert_in_the_grouped_matmul(model_type, shared, monkeypatch):
-    """JAXMODELS_SHARED_EXPERT_IN_GMM (on by default): a decode-sized step (one token a row) with the shared expert inside the routed
-    experts' grouped matmuls gives the logits of the default path. The tiny DeepSeek's shared expert is one piece of
-    the experts' size; the Nemotron-H one is given two (40 = 2 x 20)."""
+    """JAXMODELS_SHARED_EXPERT_IN_GMM (on by default): a decode-sized step (one token a row) with the shared expert
+    inside the routed experts' grouped matmuls gives the logits of the shared expert run beside them. The tiny
+    DeepSeek's shared expert is one piece of the experts' size; the Nemotron-H one is given two (40 = 2 x 20)."""
     config = dict(TINY_CONFIGS[model_type])
     if shared:
         config["moe_shared_expert_intermediate_size"] = shared

@@ -143,8 +143,8 @@ def test_packed_shapes_are_checked():
 
 @pytest.mark.parametrize("requests_first, stream", [(True, False), (True, True), (False, True)])
 def test_launch_order_and_streaming_hints_change_no_value(requests_first, stream):
-    """The kernel's launch-order and eviction options (the H200 sweep's alternatives) compute the same values bit for bit:
-    each program does the same arithmetic on the same tile, whichever order they run in."""
+    """The kernel's launch-order and eviction options (the H200 sweep's alternatives) compute the same values bit
+    for bit: each program does the same arithmetic on the same tile, whichever order they run in."""
     from pallas_kernels.mamba_state_update_pallas import ssd_state_update_pallas
 
     slots, H, P, G, N, ids = CASES[1]
