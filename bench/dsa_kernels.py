@@ -178,9 +178,7 @@ def check_sparse_mla():
     cache = jax.random.normal(ks[1], (rows // 64, 64, 576)).astype(jnp.bfloat16)
     idx = jax.random.randint(ks[2], (T, k), 0, rows).astype(jnp.int32)
     idx = idx.at[1, 100:].set(-1).at[2].set(-1).at[3, ::2].set(-1)
-    for opts in [dict(), OLD_MLA, dict(num_splits=8), dict(num_splits=2, block_h=64, num_warps=8),
-                 dict(num_splits=2, block_h=64, value_blocks=2, num_warps=8, block_k=64, num_stages=2),
-                 dict(block_h=128, value_blocks=4, num_warps=8, block_k=64, num_stages=2)]:
+    for opts in [dict(), OLD_MLA, dict(num_splits=8), dict(num_splits=2, block_h=64, num_warps=8)]:
         got = jax.jit(lambda *a: sparse_mla_attention_pallas(*a, scale=576 ** -0.5, **opts))(q, cache, idx)
         ref = sparse_mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), idx, scale=576 ** -0.5)
         e = rel_err(got.astype(jnp.float32), ref)
@@ -338,15 +336,12 @@ def mla_variants(B, listed, quick):
     splits = [n for n in (1, 2, 4, 8, 16) if B * n <= 512]
     # 64-head blocks on 8 warps (wgmma, ~800 bytes of spills), 8 warps on 32 heads and 16-row gathers were slower
     # than these everywhere on the H200 (2026-12-01 03:40 UTC, B=128: 0.53-1.09 ms against 0.33); multi-stage
-    # 64-row gathers were the best there.
-    # Value blocks (2026-12-02, not yet timed): 64 or 128 heads a program on the Dl / V value columns, for wgmma
-    # tiles whose accumulator fits; every value block recomputes the scores.
-    value_blocks = [dict(block_h=64, value_blocks=2, num_warps=w, block_k=64, num_stages=2) for w in (4, 8)] + [
-        dict(block_h=64, value_blocks=2, num_warps=8, block_k=32, num_stages=3),
-        dict(block_h=128, value_blocks=4, num_warps=8, block_k=64, num_stages=2)]
+    # 64-row gathers were the best there. Value blocks (64 heads a program on half the value columns, every block
+    # recomputing the scores; reverted) lost too (2026-12-02 08:16 UTC, B=128: 0.39-0.86 ms against 0.31), and 128
+    # heads on a quarter of the columns asked for 288 KB of shared memory (the H200 has 227).
     return [OLD_MLA, dict()] + [dict(num_splits=n) for n in splits] + [
         dict(num_stages=2), dict(block_k=32, num_stages=3), dict(block_k=64, num_stages=2)] + [
-        dict(block_k=64, num_stages=3, num_splits=n) for n in splits] + value_blocks
+        dict(block_k=64, num_stages=3, num_splits=n) for n in splits]
 
 
 @section
@@ -390,9 +385,7 @@ def bench_sparse_mla_prefill(quick):
     floor = 2 * T * H * k * (576 + 512) / BF16_PEAK
     variants = [dict()] if quick else [  # dict() = the defaults for a prefill chunk (PREFILL_TILES)
         dict(), dict(block_k=32, num_stages=1), dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
-        dict(block_k=128, num_stages=2), dict(block_h=64, block_k=64, num_stages=3),
-        dict(block_h=64, value_blocks=2, num_warps=8, block_k=64, num_stages=2),  # value blocks: see mla_variants
-        dict(block_h=128, value_blocks=4, num_warps=8, block_k=64, num_stages=2)]
+        dict(block_k=128, num_stages=2), dict(block_h=64, block_k=64, num_stages=3)]
     for opts in variants:
         f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
         row(f"sparse MLA prefill T={T} {opts}", timeit(f, q, cache, idx), None, floor, "floor = FLOPs at 810 TFLOP/s")

@@ -64,29 +64,15 @@ def sparse_mla_attention_reference(q, latent_cache, indices, *, scale: float, kv
     return out.astype(q.dtype)
 
 
-def _column_blocks(value_blocks: int, dl: int):
-    """(this program's head-block index, the first column of each latent column block in the order the program
-    uses them: its own value block first, then the following ones, wrapping). One block: (program id, [0])."""
-    if value_blocks == 1:
-        return pl.program_id(0), [0]
-    pid = pl.program_id(0)  # non-negative: rem and div need no sign fix-ups
-    vb = lax.rem(pid, value_blocks)
-    width = dl // value_blocks
-    return lax.div(pid, value_blocks), [lax.rem(vb + j, value_blocks) * width for j in range(value_blocks)]
-
-
-def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_len, trim, counted, value_blocks):
+def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_len, trim, counted):
     count_ref, q_ref, kv_ref, *out_refs = refs if counted else (None, *refs)
-    head_block, starts = _column_blocks(value_blocks, dl)
-    h0 = head_block * block_h
+    h0 = pl.program_id(0) * block_h
     split = pl.program_id(1)
     t = pl.program_id(2)
     k0 = split * split_len
-    dv = dl // value_blocks  # the output columns this program computes: the first of `starts`
-    q_nope = [q_ref[t, pl.ds(h0, block_h), pl.ds(start, dv)] for start in starts]
+    q_nope = q_ref[t, pl.ds(h0, block_h), pl.ds(0, dl)]
     q_rope = q_ref[t, pl.ds(h0, block_h), pl.ds(dl, dr)]
-    cols_l = [jnp.arange(dv)[None, :] if isinstance(start, int) else start + jnp.arange(dv)[None, :]
-              for start in starts]
+    cols_l = jnp.arange(dl)[None, :]
     cols_r = dl + jnp.arange(dr)[None, :]
     nt = (((1,), (1,)), ((), ()))  # contract the feature dim of both: q @ k.T
 
@@ -95,13 +81,9 @@ def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_le
         idx = idx_ref[t, pl.ds(k0 + c * block_k, block_k)]
         valid = idx >= 0
         rows = jnp.where(valid, idx, 0)[:, None]
-        kvs = [plgpu.load(kv_ref.at[rows, cols]) for cols in cols_l]  # [BK, Dl / value_blocks] each, gathered
-        kv = kvs[0]  # the values of this program's output columns
+        kv = plgpu.load(kv_ref.at[rows, cols_l])  # [BK, Dl] gathered latent rows
         kr = plgpu.load(kv_ref.at[rows, cols_r])  # [BK, Dr]
-        s = lax.dot_general(q_nope[0], kv, nt, preferred_element_type=jnp.float32, precision=dot_precision(kv.dtype))
-        for q_part, kv_part in zip(q_nope[1:], kvs[1:]):
-            s = s + lax.dot_general(q_part, kv_part, nt, preferred_element_type=jnp.float32,
-                                    precision=dot_precision(kv.dtype))
+        s = lax.dot_general(q_nope, kv, nt, preferred_element_type=jnp.float32, precision=dot_precision(kv.dtype))
         s = s + lax.dot_general(q_rope, kr, nt, preferred_element_type=jnp.float32,
                                 precision=dot_precision(kr.dtype))
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)
@@ -128,26 +110,17 @@ def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_le
     else:
         n_chunks = split_len // block_k
     init = (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32),
-            jnp.zeros((block_h, dv), jnp.float32))
+            jnp.zeros((block_h, dl), jnp.float32))
     m, l, acc = lax.fori_loop(0, n_chunks, body, init)
     some = l > 0
     out = jnp.where(some[:, None], acc / jnp.where(some, l, 1.0)[:, None], 0.0)
-    out_cols = slice(None) if value_blocks == 1 else pl.ds(starts[0], dv)
     if len(out_refs) == 1:  # the whole list in one program: the output itself
         (o_ref,) = out_refs
-        o_ref[t, pl.ds(h0, block_h), out_cols] = out.astype(o_ref.dtype)
+        o_ref[t, pl.ds(h0, block_h), :] = out.astype(o_ref.dtype)
     else:  # one split's softmax state: normalised partial output and log-sum-exp, combined by `_combine_splits`
         po_ref, lse_ref = out_refs
-        po_ref[t, split, pl.ds(h0, block_h), out_cols] = out
-        lse = jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
-        if value_blocks == 1:
-            lse_ref[t, split, pl.ds(h0, block_h)] = lse
-        else:
-            # Every value block of a head block computes the same scores, up to the order of the column blocks'
-            # partial sums; one of them writes the log-sum-exp, so the result does not depend on which ran last.
-            @pl.when(starts[0] == 0)
-            def _():
-                lse_ref[t, split, pl.ds(h0, block_h)] = lse
+        po_ref[t, split, pl.ds(h0, block_h), :] = out
+        lse_ref[t, split, pl.ds(h0, block_h)] = jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
 
 
 def _combine_splits(partial_out, lse, dtype):
@@ -194,23 +167,15 @@ def default_tiles(num_queries: int, dtype, *, heads: int, topk: int, block_h: in
 def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512,
                                 listed=None, block_h: int = 32, block_k: int | None = None, num_warps: int = 4,
                                 num_stages: int | None = None, num_splits: int | None = None,
-                                trim: bool | None = None, value_blocks: int = 1, interpret: bool = False):
-    """Grid (head blocks x value blocks, splits of the top-k list, queries); options left None take
-    `default_tiles`. With `listed` (see `sparse_mla_attention`) a program walks only the chunks that hold listed
-    keys, and `trim` is moot.
-
-    `value_blocks` V > 1 splits the Dl output columns over V programs per head block: each gathers the same rows
-    and computes the same scores, but multiplies P by its Dl / V value columns only, so a tile of 64 heads keeps a
-    [64, Dl / V] float32 accumulator instead of [64, Dl] (which spilled at V = 1 on the H200), at the price of V
-    times the score FLOPs. Untimed alternative for `bench/dsa_kernels.py`, off by default."""
+                                trim: bool | None = None, interpret: bool = False):
+    """Grid (head blocks, splits of the top-k list, queries); options left None take `default_tiles`. With
+    `listed` (see `sparse_mla_attention`) a program walks only the chunks that hold listed keys, and `trim` is
+    moot."""
     T, H, D = q.shape
     topk = indices.shape[1]
     block_h = min(block_h, H)
     if H % block_h:
         raise ValueError(f"heads {H} must be a multiple of block_h {block_h}")
-    if kv_lora_rank % value_blocks or pow2_tile_problem("value block", kv_lora_rank // value_blocks):
-        raise ValueError(f"kv_lora_rank {kv_lora_rank} must split into value_blocks={value_blocks} blocks of a "
-                         "power-of-two width")
     tiles = default_tiles(T, latent_cache.dtype, heads=H, topk=topk, block_h=block_h, width=D)
     block_k = tiles["block_k"] if block_k is None else block_k
     num_stages = tiles["num_stages"] if num_stages is None else num_stages
@@ -224,8 +189,7 @@ def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lo
     flat = latent_cache.reshape(-1, D)
     indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, num_splits * split_len - topk)), constant_values=-1)
     kernel = functools.partial(_sparse_mla_kernel, scale=float(scale), dl=dl, dr=dr, block_h=block_h,
-                               block_k=block_k, split_len=split_len, trim=trim, counted=listed is not None,
-                               value_blocks=value_blocks)
+                               block_k=block_k, split_len=split_len, trim=trim, counted=listed is not None)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((T, H, dl), q.dtype)
     else:
@@ -234,8 +198,8 @@ def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lo
     out = pl.pallas_call(
         kernel,
         # Head blocks innermost: the programs that gather the same rows (one query's split) run side by side and
-        # share them through L2; a head block's value blocks are neighbours too.
-        grid=(H // block_h * value_blocks, num_splits, T),
+        # share them through L2.
+        grid=(H // block_h, num_splits, T),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
