@@ -181,7 +181,7 @@ for what in "$@"; do
     launch_thread) QUICK_TESTS="tests/engine/test_llm.py::test_overlapped_loop_gives_the_plain_loops_tokens
         tests/engine/test_speculative.py::test_preemption_with_speculation_is_lossless" bash "$0" quick_tests
         for config in ${PROFILE_CONFIGS:-nemotron_h_nano9b nemotron_h_nano30b_a3b}; do
-          for flag in "" --launch-thread; do echo "--- $config ${flag:-(no launch thread)}"
+          for flag in --no-launch-thread ""; do echo "--- $config ${flag:-(launch thread)}"
             timeout 150 python3 -m jaxmodels bench --no-progress --config "bench/configs/$config.json" --phases decode \
               --batches 1,256 --decode-steps 32 $flag 2>&1 | grep -A4 "^| B |"; done; done ;;
     # The GPU tests of the files named in QUICK_TESTS (pytest node ids), in 8 workers as the suite runs.

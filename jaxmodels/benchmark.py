@@ -325,9 +325,9 @@ def parse_args(argv, prog):
     parser.add_argument("--dp", type=int, default=1, help="data-parallel groups (each its own requests)")
     parser.add_argument("--tp", type=int, default=1, help="devices per group splitting attention heads")
     parser.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next")
-    parser.add_argument("--launch-thread", action="store_true",
-                        help="launch each step from a thread of its own (engine.runner; host time is then the "
-                        "scheduling thread's)")
+    parser.add_argument("--no-launch-thread", dest="launch_thread", action="store_false",
+                        help="launch each step from the scheduling thread, not from a thread of its own (engine.runner;"
+                        " with the launch thread, the host time reported is the scheduling thread's)")
     parser.add_argument("--compilation-cache", default=None, metavar="DIR",
                         help="load the compiled step programs from DIR when there, store them there when not; 'off': "
                         "no cache (default: jaxmodels.compilation_cache's, ~/.cache/jaxmodels/xla)")

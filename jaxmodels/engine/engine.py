@@ -67,7 +67,8 @@ class Engine:
                  warmup: bool = True, progress: bool = True,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None, mesh=None,
                  memory_fraction: float | None = None, overlap: bool = True, mamba_ssm_cache_dtype=None,
-                 matmul_precision: str | None = None, num_speculative_tokens: int = 0, launch_thread: bool = False):
+                 matmul_precision: str | None = None, num_speculative_tokens: int = 0,
+                 launch_thread: bool | None = None):
         """`max_seq_len` (prompt plus output tokens of one request) may go up to the model's
         `max_position_embeddings` (the YaRN-extended length where the config has YaRN); by default
         min(DEFAULT_MAX_SEQ_LEN, that).
@@ -85,7 +86,8 @@ class Engine:
 
         `overlap=False` reads every step's tokens before scheduling the next (same outputs, slower).
         `launch_thread` sends each step's transfers and executables from a thread of their own, so this one reads
-        and accounts for the step before while the next is being launched (same outputs; see engine.runner).
+        and accounts for the step before while the next is being launched (same outputs; None: on unless the job has
+        several processes; see engine.runner).
         `mamba_ssm_cache_dtype` overrides the config's SSM state dtype (e.g. "bfloat16" halves the state traffic).
         `matmul_precision` overrides the precision the model's dtype implies (see jaxmodels.precision).
         `num_speculative_tokens` k > 0 drafts k tokens per step with the model's MTP layers and verifies them in one

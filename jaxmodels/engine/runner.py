@@ -17,7 +17,10 @@ on the GPU costs about a millisecond a step: PJRT's Execute and the CUDA graph's
 own, in the order the steps were sent, and `launch` returns a future of the tokens: the scheduling thread goes on to
 read the step before and account for it meanwhile. The batches are built on the calling thread, into fresh arrays, so
 the launch thread reads nothing the scheduler changes afterwards; only that thread touches the caches, `last_tokens`
-and `drafts` while steps are in flight, and a step's future is done before its tokens are read.
+and `drafts` while steps are in flight, and a step's future is done before its tokens are read. It is on by default
+in a single-process job: on one H200 it took the scheduling thread's host time of a Nano-9B-class decode step at
+256 sequences from 3.2 to 1.1 ms (12% -> 4% of the step) and a Nano-30B-class step at one sequence from 3.12 to
+2.77 ms (docs/BENCHMARKS.md).
 
 On a ("dp", "tp") mesh both executables run inside a `shard_map` that is manual over "dp" (and leaves "tp" to the
 compiler): each dp group of devices holds its own slice of the caches' pools, of `last_tokens` and of the batch,
@@ -126,10 +129,10 @@ def _concat_groups(parts: list):
 
 class Runner:
     def __init__(self, step, sizes, *, decode_sizes, prefill_sizes, max_seqs_per_extend: int, mesh=None,
-                 launch_thread: bool = False):
+                 launch_thread: bool | None = None):
         """`sizes` are one dp group's pools. With a `mesh`, params and caches are sharded by `sharding`'s rules
         (cache pools over "dp") and the executables keep the caches' shardings from step to step. `launch_thread`:
-        see the module docstring."""
+        see the module docstring; None turns it on in a single-process job only."""
         self.step, self.sizes = step, sizes
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs = max_seqs_per_extend
@@ -168,6 +171,11 @@ class Runner:
                                                  ("rows", "caches"), donate=(1,))
         # Compiled executables by job (see jobs).
         self._compiled: dict[tuple, object] = {}
+        if launch_thread is None:
+            # With several processes, each reads a step's tokens through a collective of its own (`read`) while its
+            # launch thread may already be sending the next step's: two threads enqueueing collectives could order
+            # them differently on different processes, so there the steps go out from the scheduling thread.
+            launch_thread = jax.process_count() == 1
         self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmodels-launch")
                           if launch_thread else None)
         self._example_tables = SlotTables(1, sizes.pages_per_seq)

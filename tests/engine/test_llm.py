@@ -249,16 +249,17 @@ def test_text_prompts_use_the_checkpoint_tokenizer(dense, tmp_path):
     assert out.text == tokenizer.decode(out.token_ids)
 
 
-@pytest.mark.parametrize("launch_thread", [False, True])
+@pytest.mark.parametrize("launch_thread", [False, None])
 def test_overlapped_loop_gives_the_plain_loops_tokens(tmp_path, launch_thread):
-    """Overlap schedules step N+1 before step N's tokens are read (and with a launch thread, sends it from another
-    thread while this one reads step N): outputs must not change, with stop tokens that end requests mid-flight and
-    a pool small enough to force preemptions."""
+    """Overlap schedules step N+1 before step N's tokens are read (and with a launch thread, the default in one
+    process, sends it from another thread while this one reads step N): outputs must not change, with stop tokens
+    that end requests mid-flight and a pool small enough to force preemptions."""
     path = save(make_nemotron_h("dense"), tmp_path / "ckpt")
     limits = dict(dtype="float32", max_batch_size=4, max_seq_len=64, max_prefill_tokens=8, page_size=8, num_pages=9,
                   warmup=False, progress=False)
     plain = jaxmodels.LLM(path, overlap=False, **limits)
-    overlapped = jaxmodels.LLM(path, overlap=True, launch_thread=launch_thread, **limits)
+    launch = {} if launch_thread is None else dict(launch_thread=launch_thread)
+    overlapped = jaxmodels.LLM(path, overlap=True, **launch, **limits)
     runner, threads = overlapped.engine.runner, set()
 
     def run_recording_thread(*args, run=runner._run):
@@ -278,7 +279,7 @@ def test_overlapped_loop_gives_the_plain_loops_tokens(tmp_path, launch_thread):
     assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
     assert "stop" in {o.finish_reason for o in got}
     assert overlapped.engine.scheduler.num_preemptions > 0
-    assert threads == ({"jaxmodels-launch_0"} if launch_thread else {threading.main_thread().name})
+    assert threads == ({threading.main_thread().name} if launch_thread is False else {"jaxmodels-launch_0"})
 
 
 def test_abort_frees_the_slot_and_pages_and_others_finish(dense):

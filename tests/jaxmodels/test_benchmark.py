@@ -45,11 +45,12 @@ def test_benchmark_reports_every_phase(tmp_path, capsys):
     assert out.strip().splitlines()[-1].startswith("headline: decode B=4")
 
 
-@pytest.mark.parametrize("launch_thread", [[], ["--launch-thread"]])
+@pytest.mark.parametrize("launch_thread", [[], ["--no-launch-thread"]])
 def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread):
     """Without the prefill phase the engine is not sized for the (default 4096-token) prefill prompt, so the
-    profile must not run it; the results JSON is written before profiling. With a launch thread the traced steps
-    end with that thread's last launch (Runner.block_until_ready), not with caches it has yet to replace."""
+    profile must not run it; the results JSON is written before profiling. With a launch thread (the default) the
+    traced steps end with that thread's last launch (Runner.block_until_ready), not with caches it has yet to
+    replace."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
     results = tmp_path / "results.json"
