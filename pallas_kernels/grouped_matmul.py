@@ -190,7 +190,8 @@ def grouped_matmul_pallas(x, w, group_sizes, *, block_m: int | None = None, bloc
                           block_k: int = 64, num_warps: int | None = None, num_stages: int | None = None,
                           epilogue: str | None = None, extra: ExtraExperts | None = None, trim_items: bool = False,
                           interpret: bool = False):
-    """`trim_items`: see make_schedule (off until timed on the H200: `bash bench/h200_runs.sh gmm_decode`)."""
+    """`trim_items`: see make_schedule (off: on the H200 it moved nothing at 32 and 256 rows and stayed within the
+    spread at one row, docs/BENCHMARKS.md "Grouped-matmul decode tiles")."""
     M, K = x.shape
     E, K2, N = w.shape
     S = extra.count(K, N) if extra is not None else 0
