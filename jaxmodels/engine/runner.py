@@ -120,6 +120,14 @@ def _by_groups(shapes: list, dp: int) -> list:
     return jax.tree.map(stacked, shapes)
 
 
+def uses_launch_thread(requested: bool | None) -> bool:
+    """Whether a runner asked for `requested` (None: the default) launches from a thread of its own. Not by default
+    with several processes: each reads a step's tokens through a collective of its own (`read`) while its launch
+    thread may already be sending the next step's, and two threads enqueueing collectives could order them
+    differently on different processes."""
+    return jax.process_count() == 1 if requested is None else requested
+
+
 def _concat_groups(parts: list):
     """[(batch, knobs, ...)] of each group -> one tuple with the groups' rows back to back."""
     if len(parts) == 1:
@@ -171,13 +179,8 @@ class Runner:
                                                  ("rows", "caches"), donate=(1,))
         # Compiled executables by job (see jobs).
         self._compiled: dict[tuple, object] = {}
-        if launch_thread is None:
-            # With several processes, each reads a step's tokens through a collective of its own (`read`) while its
-            # launch thread may already be sending the next step's: two threads enqueueing collectives could order
-            # them differently on different processes, so there the steps go out from the scheduling thread.
-            launch_thread = jax.process_count() == 1
         self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmodels-launch")
-                          if launch_thread else None)
+                          if uses_launch_thread(launch_thread) else None)
         self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
     def _shard_over(self, mesh, params: dict, cache_shapes) -> None:

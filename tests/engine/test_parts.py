@@ -1,4 +1,5 @@
-"""Engine parts on their own: buckets, allocators and scheduler (host only), sampler, Mamba recompute semantics."""
+"""Engine parts on their own: buckets, allocators and scheduler (host only), sampler, Mamba recompute semantics,
+the launch thread's default."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ from flax import nnx
 from jaxmodels.engine.buckets import bucket_for, decode_buckets, prefill_buckets
 from jaxmodels.engine.cache import FreeList, PoolSizes
 from jaxmodels.engine.request import Request, SamplingParams
+from jaxmodels.engine.runner import uses_launch_thread
 from jaxmodels.engine.sampler import sample
 from jaxmodels.engine.scheduler import Scheduler
 
@@ -136,3 +138,11 @@ def test_recompute_reproduces_decoded_mamba_state():
     _, _, ssm_all_floored = mixer.forward_packed(hidden, cu)
     low = np.asarray(ssm[1, :2])  # the heads whose dt sits below the floor hold small states: compare relatively
     assert np.abs(np.asarray(ssm_all_floored[0, :2]) - low).max() > 0.1 * np.abs(low).max()
+
+
+def test_launch_thread_is_on_by_default_in_one_process_only(monkeypatch):
+    """A multi-process job reads every step through a collective, which a second launching thread could order
+    differently on different processes: there the default is off; an explicit choice is kept either way."""
+    assert uses_launch_thread(None) and not uses_launch_thread(False)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not uses_launch_thread(None) and uses_launch_thread(True)
