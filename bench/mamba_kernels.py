@@ -453,6 +453,41 @@ def tune_update(rows):
                                  us=t * 1e6))
 
 
+def tune_conv_update(rows):
+    """Channel blocks x warps of the decode conv update at B=256 (the packed call's shapes, bf16 windows). In the
+    Nano-9B engine step it took 24 us a layer (2026-12-02), about half its byte floor: each program of the default
+    256 channels moves 4 KB, 12,288 programs a call."""
+    from pallas_kernels.causal_conv1d_pallas import causal_conv1d_update_pallas
+
+    key = jax.random.PRNGKey(5)
+    for name, sh in SHAPES.items():
+        Cd = sh["H"] * sh["P"] + 2 * sh["G"] * sh["N"]
+        k1, k2, k3 = jax.random.split(key, 3)
+        windows = jax.random.normal(k1, (257, Cd, K - 1)).astype(jnp.bfloat16)
+        x = jax.random.normal(k2, (256, Cd)).astype(jnp.bfloat16)
+        w = jax.random.normal(k3, (Cd, K)).astype(jnp.bfloat16)
+        bias = jnp.zeros((Cd,), jnp.bfloat16)
+        ids = jnp.arange(1, 257, dtype=jnp.int32)
+        nbytes = 2 * (2 * 256 * Cd * (K - 1) + 2 * 256 * Cd)
+        first = None
+        for v in [dict(block_c=c, num_warps=nw) for c in (256, 512, 1024, 2048) for nw in (4, 8)]:
+            f = jax.jit(lambda st, x, v=v: causal_conv1d_update_pallas(x, st, w, bias, slot_ids=ids,
+                                                                        interpret=INTERPRET, **v),
+                        donate_argnums=(0,))
+            y, new = f(jnp.copy(windows), x)
+            first = first or (y, new)
+            if not (bool(jnp.array_equal(y, first[0])) and bool(jnp.array_equal(new, first[1]))):
+                log(f"FAILED conv_update variant {v}: results differ from the first variant's")
+            del y, new
+
+            def call(st, x, f=f):
+                y, new = f(st, x)
+                return y, (new, x)
+            t = time_fn(call, lambda: (jnp.copy(windows), x))
+            log(f"tune conv_update {name} B=256 {v}: {t * 1e6:.1f} us {nbytes / t / 1e12:.2f} TB/s")
+            rows.append(dict(kind="tune_conv_update", shape=name, variant=v, us=t * 1e6))
+
+
 def tune_conv(rows):
     from pallas_kernels.causal_conv1d_pallas import causal_conv1d_pallas
 
@@ -593,6 +628,7 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-update", action="store_true", help="only the state update's tile sweep")
+    ap.add_argument("--tune-conv-update", action="store_true", help="only the decode conv update's tile sweep")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--tune-seg", action="store_true", help="the segmented scan's option search before the table")
@@ -612,6 +648,9 @@ def main():
             ok = check()
         if a.tune_update:
             tune_update(rows)
+            return
+        if a.tune_conv_update:
+            tune_conv_update(rows)
             return
         if a.tune:
             tune(rows)
