@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -114,6 +114,13 @@ for what in "$@"; do
         timeout 250 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
           --phases prefill --prefill-len 8192 --prefill-chunk 8192 --profile /tmp/prof_n30_prefill > "$log" 2>&1
         echo "exit $?"; grep -A3 "^| tokens" "$log"; grep -A40 "^## profile" "$log" | head -45 ;;
+    # The prefill conv (0.7-0.8x its XLA reference alone at 8k tokens on 2026-11-30) against that reference inside
+    # the engine: one 8192-token prompt in one chunk on Nano-30B and Nano-9B, with the kernel, then with XLA's.
+    conv_xla_prefill) for xla in "" causal_conv1d; do echo "--- JAXMODELS_XLA_KERNELS=${xla:-(none)}"
+          for config in nemotron_h_nano30b_a3b nemotron_h_nano9b; do
+            JAXMODELS_XLA_KERNELS=$xla timeout 150 python3 -m jaxmodels bench --no-progress \
+              --config "bench/configs/$config.json" --phases prefill --prefill-len 8192 --prefill-chunk 8192 \
+              2>&1 | grep -A3 "^| tokens"; done; done ;;
     hlo_b1) rm -rf /tmp/hlo_dump; log="$OUT/hlo_b1.log"  # a short model's decode B=1 per-op table, and what its
         # top fusions compute (bench/hlo_fusions.py on the optimized HLO); config, layers: HLO_CONFIG, HLO_LAYERS
         XLA_FLAGS="--xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run.* ${XLA_FLAGS:-}" \

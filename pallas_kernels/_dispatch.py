@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -111,12 +112,25 @@ def num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
+# Kernels (by the names `resolve_impl` is given, which are also their names in profiles) that `auto` sends to their
+# XLA reference: comma-separated, or "all". For A/B runs of a kernel inside the engine and for telling a kernel's
+# fault from the model's; read when a program is traced.
+XLA_KERNELS_ENV = "JAXMODELS_XLA_KERNELS"
+
+
+def xla_by_request(kernel: str) -> bool:
+    """Whether $JAXMODELS_XLA_KERNELS names `kernel` (or is "all")."""
+    names = {name.strip() for name in os.environ.get(XLA_KERNELS_ENV, "").split(",")}
+    return kernel in names or "all" in names
+
+
 def resolve_impl(impl: str, interpret: bool = False, unsupported: str | None = None,
                  kernel: str = "kernel") -> str:
     """Return "pallas" or "xla" for a requested `impl`.
 
     `auto` picks the kernel on GPU; on CPU it picks the XLA reference unless `interpret=True` asks for the Pallas
-    kernel in interpret mode (that is how CPU tests exercise the kernel bodies).
+    kernel in interpret mode (that is how CPU tests exercise the kernel bodies). A kernel that $JAXMODELS_XLA_KERNELS
+    names runs its XLA reference under `auto` everywhere.
 
     `unsupported` is the kernel's reason why the compiled (Triton) kernel cannot take these shapes, or None: Triton
     needs power-of-two tiles of at least 16 along matmul dimensions, which real model shapes meet and tiny test
@@ -125,6 +139,8 @@ def resolve_impl(impl: str, interpret: bool = False, unsupported: str | None = N
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto" and xla_by_request(kernel):
+        return "xla"
     choice = ("pallas" if (on_gpu() or interpret) else "xla") if impl == "auto" else impl
     if choice == "pallas" and unsupported and not interpret:
         if impl == "auto":

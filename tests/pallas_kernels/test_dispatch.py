@@ -30,6 +30,19 @@ def test_unsupported_shapes(monkeypatch):
         _dispatch.resolve_impl("pallas", unsupported="K=24 ...")
 
 
+def test_kernels_named_in_the_environment_run_their_reference(monkeypatch):
+    """$JAXMODELS_XLA_KERNELS sends the kernels it names (or all) to XLA under `auto`, on the GPU and in interpret
+    mode alike; an explicit impl is kept."""
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    monkeypatch.setenv(_dispatch.XLA_KERNELS_ENV, "causal_conv1d, ssd_state_update")
+    assert _dispatch.resolve_impl("auto", kernel="causal_conv1d") == "xla"
+    assert _dispatch.resolve_impl("auto", interpret=True, kernel="ssd_state_update") == "xla"
+    assert _dispatch.resolve_impl("auto", kernel="causal_conv1d_update") == "pallas"
+    assert _dispatch.resolve_impl("pallas", kernel="causal_conv1d") == "pallas"
+    monkeypatch.setenv(_dispatch.XLA_KERNELS_ENV, "all")
+    assert _dispatch.resolve_impl("auto", kernel="grouped_matmul") == "xla"
+
+
 def test_real_model_shapes_are_supported():
     assert gmm.pallas_problem(7168) is None and gmm.pallas_problem(2688) is None and gmm.pallas_problem(1856) is None
     assert itk.pallas_problem(64, 128) is None
