@@ -185,7 +185,7 @@ for what in "$@"; do
           timeout 250 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
             --phases decode --batches 1,8 --decode-steps 16 --compilation-cache /tmp/jaxcache 2>&1 \
             | grep "compiled in\|^| 1 \|^| 8 "; done; du -sh /tmp/jaxcache; ls /tmp/jaxcache | wc -l ;;
-    # The launch thread (engine.runner, off by default): its two tests on the GPU, then decode of PROFILE_CONFIGS at
+    # The launch thread (engine.runner, on by default): its two tests on the GPU, then decode of PROFILE_CONFIGS at
     # 1 and 256 sequences without and with it (host ms / step is the scheduling thread's with it).
     launch_thread) QUICK_TESTS="tests/engine/test_llm.py::test_overlapped_loop_gives_the_plain_loops_tokens
         tests/engine/test_speculative.py::test_preemption_with_speculation_is_lossless" bash "$0" quick_tests

@@ -53,8 +53,9 @@ class LLM:
         `dtype` is the weights' and activations' dtype and the compute precision (float32 means full float32
         matmuls on the GPU too; `matmul_precision` overrides, see jaxmodels.precision). `overlap` schedules each
         step while the previous one runs on the device (same outputs); `launch_thread` also launches each step
-        from a thread of its own (same outputs; None: on in a single-process job, see engine.runner). `mamba_ssm_cache_dtype` overrides the
-        config's SSM state dtype ("bfloat16" halves the state traffic of Nemotron-H decode; float32 by default).
+        from a thread of its own (same outputs; None: on in a single-process job, see engine.runner).
+        `mamba_ssm_cache_dtype` overrides the config's SSM state dtype ("bfloat16" halves the state traffic of
+        Nemotron-H decode; float32 by default).
         `num_speculative_tokens` k (0: off) drafts k tokens per step with the checkpoint's multi-token-prediction
         layers and verifies them in one target step; outputs are those of plain decoding (see
         jaxmodels.engine.speculative), `metrics()` reports the accept rate.

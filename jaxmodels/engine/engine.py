@@ -269,9 +269,9 @@ class Engine:
 
         host_s_per_step: time the loop spends on the host per step (scheduling, batches, dispatch, accounting), i.e.
         inside step() but not blocked on the device (with a launch thread, dispatch is that thread's and waiting for
-        it counts as blocked); with overlap it runs while the device computes, so what matters
-        is that it stays below the device's step time. wall_s_per_step: time per step as the caller sees it; with
-        overlap and host time below device time, that is the device's step time.
+        it counts as blocked); with overlap it runs while the device computes, so what matters is that it stays
+        below the device's step time. wall_s_per_step: time per step as the caller sees it; with overlap and host
+        time below device time, that is the device's step time.
         """
         t, counts = self.times, self.scheduler.counts()
         steps = max(t.steps, 1)
