@@ -22,6 +22,7 @@ Times are per call, the median of several back-to-back runs of n calls (dispatch
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -32,6 +33,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jaxmodels.benchmark_floors import COPY_BANDWIDTH  # the H200's device-to-device copy rate
 from pallas_kernels._dispatch import next_pow2
@@ -413,13 +416,55 @@ def update_variants(P):
     return tiles + orders
 
 
+def _stream_kernel(state_in_ref, state_ref, *, npb, BP):
+    """Program (h * npb + block, request): scale-add rows [block * BP, +BP) of head h of slot request + 1."""
+    del state_in_ref  # aliased to state_ref
+    pid = pl.program_id(0)
+    tile = state_ref.at[pl.program_id(1) + 1, pid // npb, pl.ds((pid % npb) * BP, BP)]
+    plgpu.store(tile, plgpu.load(tile) * 0.999 + 0.001)
+
+
+def update_ceilings(state, name):
+    """What moving this pool's bytes costs with nothing else to do, beside the state update's time: XLA's in-place
+    scale-add of the whole donated pool, XLA's out-of-place copy-scale of it, and a Pallas kernel that walks the
+    state update's default tiles (16- or 32-row blocks of one request's state after another, in place) with no slot
+    lookup and no x, B, C or y. Bytes are the whole pool's, read and written."""
+    H, P, N = state.shape[1:]
+    BP = min(32, P & -P)
+    nbytes = 2 * state.size * state.dtype.itemsize
+    in_place = jax.jit(lambda s: s * 0.999 + 0.001, donate_argnums=(0,))
+    copy = jax.jit(lambda s: s * 0.999 + 0.001)
+    stream = jax.jit(lambda s: pl.pallas_call(
+        functools.partial(_stream_kernel, npb=P // BP, BP=BP), grid=(H * (P // BP), state.shape[0] - 1),
+        out_shape=jax.ShapeDtypeStruct(state.shape, state.dtype), input_output_aliases={0: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=INTERPRET)(s),
+        donate_argnums=(0,))
+    # The stream must do the work it stands for: every request slot scaled and shifted as XLA does it (up to a
+    # fused multiply-add's rounding).
+    got, want = stream(jnp.copy(state))[1:], copy(state)[1:]
+    if max_relative_difference(got, want) > 1e-6:
+        log(f"FAILED state_update {name} ceiling stream: {max_relative_difference(got, want):.1e} from XLA's")
+    del got, want
+    for what, f, donated in (("XLA in-place scale-add", in_place, True), ("XLA copy-scale", copy, False),
+                             ("Pallas in-place stream, default tiles", stream, True)):
+        def call(s, f=f, donated=donated):
+            out = f(s)
+            return out, ((out,) if donated else None)
+        t = time_fn(call, lambda: (jnp.copy(state),))
+        streamed = nbytes if what.startswith("XLA") else nbytes * (state.shape[0] - 1) / state.shape[0]
+        log(f"tune state_update {name} {state.dtype.name} ceiling {what}: {t * 1e6:.0f} us "
+            f"{streamed / t / 1e12:.2f} TB/s")
+
+
 def tune_update(rows):
     """Tiles and launch orders of the decode state update at B=256, fp32 and bf16 state (update_variants).
 
     Run on 2026-11-30 (with a whole-head-per-program variant and unmasked loads, not kept): every tiling moved the
     state at 3.3-3.7 TB/s, within 3% of the default (block_p 32, 4 warps). On 2026-12-02 walking one request's state
     tile after tile beat the request-first order by 4% on Nano-9B (693 against 723 us, fp32) and became the default;
-    evict-first traffic gained nothing."""
+    evict-first traffic gained nothing. Later that day (update_ceilings' rows beside it) a whole head a program again,
+    its five 16-row blocks loaded before the first store: 748-763 us against 697-701, not kept; the same tiles
+    streamed with nothing else to do took 666 us (4.03 TB/s), XLA's in-place scale-add of the pool 638 (4.22)."""
     from pallas_kernels.mamba_state_update_pallas import ssd_state_update_pallas
 
     key = jax.random.PRNGKey(3)
@@ -430,6 +475,7 @@ def tune_update(rows):
             inp["state"] = inp["state"].astype(state_dtype)
             nbytes = 2 * 256 * H * P * N * jnp.dtype(state_dtype).itemsize
             rest = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "slot_ids")]
+            update_ceilings(inp["state"], name)
             first = None  # the first variant's (y, state): every variant must give them, up to summation order
             variants = update_variants(P)
             for v in variants:
@@ -456,7 +502,9 @@ def tune_update(rows):
 def tune_conv_update(rows):
     """Channel blocks x warps of the decode conv update at B=256 (the packed call's shapes, bf16 windows). In the
     Nano-9B engine step it took 24 us a layer (2026-12-02), about half its byte floor: each program of the default
-    256 channels moves 4 KB, 12,288 programs a call."""
+    256 channels moves 4 KB, 12,288 programs a call. Timed on the H200 the same day: the default (256 channels,
+    4 warps) 36.7 us at Nano-9B's shape, the best (1024, 8) 35.3; at Nano-30B's 37.1 against 37.0 (512, 8): no
+    change of default pays."""
     from pallas_kernels.causal_conv1d_pallas import causal_conv1d_update_pallas
 
     key = jax.random.PRNGKey(5)
