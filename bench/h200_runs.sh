@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -43,6 +43,12 @@ for what in "$@"; do
         | grep "^tune\|FAIL\|state_update" | tail -40 ;;
     conv_update_tune) timeout 200 python3 bench/mamba_kernels.py --tune-conv-update --out "$OUT/conv_update_tune" 2>&1 \
         | grep "^tune\|FAIL" | tail -20 ;;  # the decode conv update's channel blocks x warps at B=256
+    # mamba_ssm's Triton scan and state update timed in a torch process (bench/mamba_ssm_reference.py, its sources
+    # carried in .thirdparty/), then ours in the same call with that column (issues 5 and 14's comparator).
+    scan_vs_mamba_ssm) PYTHONPATH=.thirdparty:$PYTHONPATH timeout 200 python3 bench/mamba_ssm_reference.py \
+          --json "$OUT/mamba_ssm.json" 2>&1 | grep -v Warning | tail -20
+        timeout 360 python3 bench/mamba_kernels.py --kernels scan_seg,decode --mamba-ssm-json "$OUT/mamba_ssm.json" \
+          --out "$OUT/scan_vs_mamba_ssm" 2>&1 | grep "^|\|FAIL\|mamba_ssm" | tail -30 ;;
     scan_span) timeout 400 python3 bench/mamba_kernels.py --tune-span --kernels scan_seg --out "$OUT/scan_span" 2>&1 \
         | grep "best\|^| scan" | tail -20 ;;  # Nano-9B's one-span scan tiles at 8k / 32k (issue 14's last scan gap)
     dsa_new) python3 bench/dsa_kernels.py --check --quick --only select,mla_decode --log "$OUT/dsa_new.log" 2>&1 | tail -40

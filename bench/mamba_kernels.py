@@ -45,13 +45,27 @@ from pallas_kernels.mamba_state_update import ssd_state_update
 
 SHAPES = {"nano9b": dict(H=128, P=80, N=128, G=8), "nano30b": dict(H=64, P=64, N=128, G=8)}
 CHUNK, K = 128, 4
-# mamba_ssm Triton on this H200, from issue 5 (bf16, fp32 final states, CUDA-graph replay, autotuned per size).
+# mamba_ssm Triton on this H200, from issue 5 (bf16, fp32 final states, CUDA-graph replay, autotuned per size);
+# --mamba-ssm-json replaces them by bench/mamba_ssm_reference.py's times of the same device call.
+MAMBA_SSM_SOURCE = "issue"
 MAMBA_SSM_US = {("scan", "nano9b", 8192, 1): 790, ("scan", "nano9b", 32768, 1): 3230,
                 ("scan", "nano9b", 8192, 16): 900, ("scan", "nano30b", 8192, 1): 330,
                 ("scan", "nano30b", 32768, 1): 1230, ("decode", "nano9b", 64): 187, ("decode", "nano9b", 256): 781}
 
 LOG = []
 INTERPRET = False  # --interpret: CPU smoke run of this script (kernels in interpret mode)
+
+
+def use_measured_mamba_ssm(path):
+    """MAMBA_SSM_US from bench/mamba_ssm_reference.py's JSON (rows of kind scan: shape, T, S; decode: shape, B)."""
+    global MAMBA_SSM_SOURCE
+    with open(path) as f:
+        measured = json.load(f)
+    for r in measured["rows"]:
+        key = ("scan", r["shape"], r["T"], r["S"]) if r["kind"] == "scan" else ("decode", r["shape"], r["B"])
+        MAMBA_SSM_US[key] = r["us"]
+    MAMBA_SSM_SOURCE = f"same run, torch {measured['torch']}"
+    log(f"mamba_ssm times: {MAMBA_SSM_SOURCE}, {len(measured['rows'])} rows from {path}")
 
 
 def log(*a):
@@ -685,10 +699,13 @@ def main():
     ap.add_argument("--kernels", default="scan,pooled,decode,conv,conv_update",
                     help="table rows to time: scan, scan_seg, pooled, decode, conv, conv_update")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--mamba-ssm-json", help="bench/mamba_ssm_reference.py's times, for the mamba_ssm column")
     a = ap.parse_args()
     global INTERPRET
     INTERPRET = a.interpret
     log(f"jax {jax.__version__}, devices {jax.devices()}")
+    if a.mamba_ssm_json:
+        use_measured_mamba_ssm(a.mamba_ssm_json)
     rows = []
     ok = True
     try:
@@ -709,7 +726,8 @@ def main():
         if a.tune_span:
             tune_span(rows, tuple(t for t in Ts if t >= 8192))
         kernels = a.kernels.split(",")
-        log("| kernel | shape | size | pallas µs | XLA ref µs | speedup | pallas TB/s (% of 4.25) | mamba_ssm µs (issue) |")
+        log(f"| kernel | shape | size | pallas µs | XLA ref µs | speedup | pallas TB/s (% of 4.25) | mamba_ssm µs "
+            f"({MAMBA_SSM_SOURCE}) |")
         log("|---|---|---|---|---|---|---|---|")
         if "scan_seg" in kernels:
             segmented_table(rows, Ts)
