@@ -107,10 +107,10 @@ def main():
             us = graph_time_us(fn)
             rows.append(dict(kind=kind, shape=name, **size, us=us))
             print(f"mamba_ssm {kind} {name} {size}: {us:.0f} us", flush=True)
+            with open(a.json, "w") as f:  # after every row: a time limit keeps what was measured
+                json.dump(dict(torch=torch.__version__, rows=rows), f, indent=1)
             del fn
             torch.cuda.empty_cache()
-    with open(a.json, "w") as f:
-        json.dump(dict(torch=torch.__version__, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
