@@ -3,9 +3,11 @@
 
     PYTHONPATH=.thirdparty python bench/mamba_ssm_reference.py --json OUT.json
 
-mamba_ssm is not a dependency: `.thirdparty/` (ignored by git, carried to the device) holds its `ops/triton` and
-`utils` folders at a pinned commit (`.thirdparty/MAMBA_SSM_COMMIT`), with empty package `__init__`s so that nothing
-imports its CUDA extensions, and einops. `bash bench/h200_runs.sh scan_vs_mamba_ssm` runs this, then our table.
+mamba_ssm is not a dependency: `.thirdparty/` (in .gitignore; the device call must name it in `carry`) holds its
+`mamba_ssm/ops/triton` (without `mamba3`) and `mamba_ssm/utils` folders from state-spaces/mamba at commit
+e9594ce1c732d97440f0332fdc43170a2294dbfa (`git archive` of those paths), with empty `mamba_ssm/__init__.py` and
+`mamba_ssm/ops/__init__.py` so that nothing imports its CUDA extensions, and the einops wheel unpacked beside them.
+`bash bench/h200_runs.sh scan_vs_mamba_ssm` runs this, then our table.
 
 What is timed, as issue 5 measured it (bf16 inputs, fp32 final states, GPU time of CUDA-graph replays, the scan's
 Triton autotuning done by a warm-up call before capture):
