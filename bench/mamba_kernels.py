@@ -459,10 +459,9 @@ def update_ceilings(state, name):
         donate_argnums=(0,))
     # The stream must do the work it stands for: every request slot scaled and shifted as XLA does it (up to a
     # fused multiply-add's rounding).
-    got, want = stream(jnp.copy(state))[1:], copy(state)[1:]
-    if max_relative_difference(got, want) > 1e-6:
-        log(f"FAILED state_update {name} ceiling stream: {max_relative_difference(got, want):.1e} from XLA's")
-    del got, want
+    err = max_relative_difference(stream(jnp.copy(state))[1:], copy(state)[1:])
+    if err > 1e-6:
+        log(f"FAILED state_update {name} ceiling stream: {err:.1e} from XLA's")
     for what, f, donated in (("XLA in-place scale-add", in_place, True), ("XLA copy-scale", copy, False),
                              ("Pallas in-place stream, default tiles", stream, True)):
         def call(s, f=f, donated=donated):
