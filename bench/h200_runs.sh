@@ -44,11 +44,13 @@ for what in "$@"; do
     conv_update_tune) timeout 200 python3 bench/mamba_kernels.py --tune-conv-update --out "$OUT/conv_update_tune" 2>&1 \
         | grep "^tune\|FAIL" | tail -20 ;;  # the decode conv update's channel blocks x warps at B=256
     # mamba_ssm's Triton scan and state update timed in a torch process (bench/mamba_ssm_reference.py, its sources
-    # carried in .thirdparty/), then ours in the same call with that column (issues 5 and 14's comparator).
+    # carried in .thirdparty/), then ours in the same call with that column (issues 5 and 14's comparator);
+    # SCAN_FLAGS replaces the table's flags (e.g. "--check --tune-span --kernels scan_seg").
     scan_vs_mamba_ssm) PYTHONPATH=.thirdparty:$PYTHONPATH timeout 150 python3 bench/mamba_ssm_reference.py \
           --json "$OUT/mamba_ssm.json" 2>&1 | grep -v Warning | tail -20
-        timeout 300 python3 bench/mamba_kernels.py --kernels scan_seg,decode --mamba-ssm-json "$OUT/mamba_ssm.json" \
-          --out "$OUT/scan_vs_mamba_ssm" 2>&1 | grep "^|\|FAIL\|mamba_ssm" | tail -30 ;;
+        timeout 400 python3 bench/mamba_kernels.py ${SCAN_FLAGS:---kernels scan_seg,decode} \
+          --mamba-ssm-json "$OUT/mamba_ssm.json" --out "$OUT/scan_vs_mamba_ssm" 2>&1 \
+          | grep "^|\|FAIL\|mamba_ssm\|^tune-span\|checks" | tail -40 ;;
     scan_span) timeout 400 python3 bench/mamba_kernels.py --tune-span --kernels scan_seg --out "$OUT/scan_span" 2>&1 \
         | grep "best\|^| scan" | tail -20 ;;  # Nano-9B's one-span scan tiles at 8k / 32k (issue 14's last scan gap)
     dsa_new) python3 bench/dsa_kernels.py --check --quick --only select,mla_decode --log "$OUT/dsa_new.log" 2>&1 | tail -40

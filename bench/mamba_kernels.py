@@ -404,8 +404,8 @@ def tune_segmented(rows, Ts=(8192, 32768)):
 
 def tune_span(rows, Ts=(8192, 32768), shapes=("nano9b",)):
     """One sequence of T tokens on one span (no segments, the path Nano-9B takes: its 128 heads give enough
-    programs): a coordinate search from the defaults. Nano-9B's head dim of 80 fills 64-wide tiles to 62%
-    (80 of 128 columns), so 16- and 32-wide tiles (100% and 83%, more programs, C Bᵀ computed more often) are in it."""
+    programs): a coordinate search from the defaults. Nano-9B's head dim of 80 fills two 64-wide tiles to 62% (80 of
+    128 rows); the narrow last tile (64 + 16) fills them completely."""
     from pallas_kernels.mamba_ssd_pallas import _default_block_p
 
     key = jax.random.PRNGKey(6)
@@ -413,9 +413,11 @@ def tune_span(rows, Ts=(8192, 32768), shapes=("nano9b",)):
         H, P, N, G = (SHAPES[name][k] for k in "HPNG")
         for T in Ts:
             best = dict(segment_len=0, block_p=_default_block_p(H, P, 1), block_t=32, prefetch=True,
-                        num_stages=2, num_warps=4)
-            search = [("block_p", [16, 32, 64, 128]), ("block_t", [16, 32]), ("prefetch", [True, False]),
-                      ("num_stages", [1, 2, 3]), ("num_warps", [2, 4, 8])]
+                        narrow_last_tile=True, num_stages=2, num_warps=4)
+            # Fifth run (2026-12-02): the narrow last tile (80 = 64 + 16 instead of 64 + 64) against the padded one,
+            # then the tile widths with it (32: 32 + 32 + 16) and the pipelining depth. Earlier runs had searched
+            # block_t (32 kept), prefetch (on) and warps (4) without it.
+            search = [("narrow_last_tile", [True, False]), ("block_p", [32, 64]), ("num_stages", [1, 2, 3])]
             coordinate_search(rows, "tune-span", name, T, scan_inputs(key, T, H, P, N, G, 1), best, search)
 
 

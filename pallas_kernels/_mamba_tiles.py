@@ -11,9 +11,15 @@ def head_tile(pid, *, npb: int, BP: int, BN: int, P: int, N: int, R: int):
     rows [BP], real state columns [BN] (N padded up to BN) and both [BP, BN]."""
     h = pid // npb
     p0 = (pid % npb) * BP
+    return (h, h // R, p0, *tile_masks(p0, BP=BP, BN=BN, P=P, N=N))
+
+
+def tile_masks(p0, *, BP: int, BN: int, P: int, N: int):
+    """(pmask, nmask, pn_mask) of the [BP, BN] state tile whose first head-dim row is p0: the real rows [BP], the
+    real state columns [BN] (N padded up to BN) and both [BP, BN]."""
     pmask = (p0 + lax.broadcasted_iota(jnp.int32, (BP,), 0)) < P
     nmask = lax.broadcasted_iota(jnp.int32, (BN,), 0) < N
-    return h, h // R, p0, pmask, nmask, pmask[:, None] & nmask[None, :]
+    return pmask, nmask, pmask[:, None] & nmask[None, :]
 
 
 def softplus(v):

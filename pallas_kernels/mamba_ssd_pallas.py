@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._dispatch import dot_precision, largest_pow2_divisor, next_pow2
-from pallas_kernels._mamba_tiles import head_tile
+from pallas_kernels._mamba_tiles import tile_masks
 from pallas_kernels._ssd_blocks import StepRule, block_decay, block_output, load_block, scan_blocks, state_input
 from pallas_kernels.mamba_ssd_segments import FIRST, LAST, LENGTH, SEQ, START, segment_start_states, segment_table
 from pallas_kernels.packing import for_each_padding_block
@@ -45,8 +45,8 @@ from pallas_kernels.packing import for_each_padding_block
 _f32 = jnp.float32
 
 
-def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, P, N, R, BT, BP, BN, npb, has_init, pooled, segmented, rule,
-                prefetch, write_states=True):
+def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, H, P, N, R, BT, BP, BP_last, BN, npb, has_init, pooled, segmented,
+                rule, prefetch, write_states=True):
     if segmented:
         tab_ref, starts_ref, *refs = refs
     x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *rest = refs
@@ -56,7 +56,10 @@ def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, P, N, R, BT, BP, BN, npb, h
         init_ref, y_ref, fin_ref = rest
     else:
         y_ref, fin_ref = rest
-    h, g, p0, pmask, nmask, pn_mask = head_tile(pl.program_id(0), npb=npb, BP=BP, BN=BN, P=P, N=N, R=R)
+    # Tile-major: the programs of every head's first tile come first (`_head_dim_tiles`: with a narrow last tile, the
+    # GPU then pairs a wide program with a narrow one on an SM rather than two wide ones).
+    j, h = pl.program_id(0) // H, pl.program_id(0) % H
+    g = h // R
     k = pl.program_id(1)
     if segmented:
         seq, t0, length = tab_ref[SEQ, k], tab_ref[START, k], tab_ref[LENGTH, k]
@@ -73,73 +76,100 @@ def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, P, N, R, BT, BP, BN, npb, h
     dtb = dtb_ref[h].astype(_f32)
     rows = lax.broadcasted_iota(jnp.int32, (BT,), 0)
 
-    def state_tile(ref, row):
-        return ref.at[row, h, pl.ds(p0, BP), pl.ds(0, BN)]
+    def scan_tile(p0, BP):
+        """The program's work on head-dim rows p0 .. p0 + BP - 1 (those < P)."""
+        pmask, nmask, pn_mask = tile_masks(p0, BP=BP, BN=BN, P=P, N=N)
 
-    def load_start():
-        # The initial state is read here only by a sequence's only span, whose program also writes its final state:
-        # the segments of a longer sequence start from the states of the state passing (`mamba_ssd_segments`).
-        if pooled:
-            mask = pn_mask & only & (init_flag_ref[seq] != 0)
-            st = plgpu.load(state_tile(pool_ref, slot_ref[seq]), mask=mask, other=0.0).astype(_f32)
-        elif has_init:
-            st = plgpu.load(state_tile(init_ref, seq), mask=pn_mask & only, other=0.0).astype(_f32)
+        def state_tile(ref, row):
+            return ref.at[row, h, pl.ds(p0, BP), pl.ds(0, BN)]
+
+        def load_start():
+            # The initial state is read here only by a sequence's only span, whose program also writes its final
+            # state: the segments of a longer sequence start from the states of the state passing
+            # (`mamba_ssd_segments`).
+            if pooled:
+                mask = pn_mask & only & (init_flag_ref[seq] != 0)
+                st = plgpu.load(state_tile(pool_ref, slot_ref[seq]), mask=mask, other=0.0).astype(_f32)
+            elif has_init:
+                st = plgpu.load(state_tile(init_ref, seq), mask=pn_mask & only, other=0.0).astype(_f32)
+            else:
+                st = jnp.zeros((BP, BN), _f32)
+            if segmented:
+                passed = plgpu.load(state_tile(starts_ref, k), mask=pn_mask & ~only, other=0.0)
+                st = jnp.where(only, st, passed)
+            return st
+
+        def store_final(st):
+            mask = pn_mask & last
+            if pooled and not write_states:
+                return  # the pool is only read (speculative verify: mamba_ssd.ssd_chunk_scan_pooled's write_states)
+            if pooled:
+                plgpu.store(state_tile(pool_ref, slot_ref[seq]), st.astype(pool_ref.dtype), mask=mask)
+            else:
+                plgpu.store(state_tile(fin_ref, seq), st, mask=mask)
+
+        def load(i):
+            return load_block(x_ref, dt_ref, b_ref, c_ref, t0=t0 + i * BT, n_valid=length - i * BT, h=h, g=g, p0=p0,
+                              pmask=pmask, nmask=nmask, BT=BT, BP=BP, BN=BN)
+
+        def block(i, tiles, st):
+            x, dt_raw, bm, cm = tiles
+            n_valid = length - i * BT
+            dt, cum, cum_last = block_decay(dt_raw, n_valid, a, dtb, rule)
+            y = block_output(x, bm, cm, dt, cum, st, dval, rule)
+            plgpu.store(y_ref.at[pl.ds(t0 + i * BT, BT), h, pl.ds(p0, BP)], y.astype(y_ref.dtype),
+                        mask=(rows < n_valid)[:, None] & pmask[None, :])
+            return st * jnp.exp(cum_last) + state_input(x, bm, dt, cum, cum_last, rule)
+
+        def scan_span():
+            store_final(scan_blocks((length + (BT - 1)) // BT, load, block, load_start(), prefetch=prefetch))
+
+        if pooled or segmented:
+            # Pooled: empty sequences are padding rows, several of them on the null slot, and must not touch the
+            # pool. Segmented: table rows past the used segments. (Empty sequences own no segment; see
+            # `_ssd_pallas`.)
+            pl.when(length > 0)(scan_span)
         else:
-            st = jnp.zeros((BP, BN), _f32)
-        if segmented:
-            passed = plgpu.load(state_tile(starts_ref, k), mask=pn_mask & ~only, other=0.0)
-            st = jnp.where(only, st, passed)
-        return st
+            scan_span()  # an empty sequence's final state is its initial state: it is still written
 
-    def store_final(st):
-        mask = pn_mask & last
-        if pooled and not write_states:
-            return  # the pool is only read (speculative verify: mamba_ssd.ssd_chunk_scan_pooled's write_states)
-        if pooled:
-            plgpu.store(state_tile(pool_ref, slot_ref[seq]), st.astype(pool_ref.dtype), mask=mask)
-        else:
-            plgpu.store(state_tile(fin_ref, seq), st, mask=mask)
+        # Tokens past cu[-1] (bucket padding) belong to no sequence; the last span's programs zero them.
+        @pl.when(k == num_spans - 1)
+        def _zero_tail():
+            zeros = jnp.zeros((BT, BP), y_ref.dtype)
 
-    def load(i):
-        return load_block(x_ref, dt_ref, b_ref, c_ref, t0=t0 + i * BT, n_valid=length - i * BT, h=h, g=g, p0=p0,
-                          pmask=pmask, nmask=nmask, BT=BT, BP=BP, BN=BN)
+            def zero_block(u0):
+                mask = (rows < (num_tokens - u0))[:, None] & pmask[None, :]
+                plgpu.store(y_ref.at[pl.ds(u0, BT), h, pl.ds(p0, BP)], zeros, mask=mask)
 
-    def block(i, tiles, st):
-        x, dt_raw, bm, cm = tiles
-        n_valid = length - i * BT
-        dt, cum, cum_last = block_decay(dt_raw, n_valid, a, dtb, rule)
-        y = block_output(x, bm, cm, dt, cum, st, dval, rule)
-        plgpu.store(y_ref.at[pl.ds(t0 + i * BT, BT), h, pl.ds(p0, BP)], y.astype(y_ref.dtype),
-                    mask=(rows < n_valid)[:, None] & pmask[None, :])
-        return st * jnp.exp(cum_last) + state_input(x, bm, dt, cum, cum_last, rule)
+            for_each_padding_block(cu_ref, num_tokens, BT, zero_block)
 
-    def scan_span():
-        store_final(scan_blocks((length + (BT - 1)) // BT, load, block, load_start(), prefetch=prefetch))
+    if BP_last == BP:
+        scan_tile(j * BP, BP)
+    else:  # two bodies, one per tile width (static shapes): the last tile is the narrow one
+        pl.when(j < npb - 1)(lambda: scan_tile(j * BP, BP))
+        # p0 stays traced (j is npb - 1 here): a static start would have JAX reject the masked tile's overhang
+        pl.when(j == npb - 1)(lambda: scan_tile(j * BP, BP_last))
 
-    if pooled or segmented:
-        # Pooled: empty sequences are padding rows, several of them on the null slot, and must not touch the pool.
-        # Segmented: table rows past the used segments. (Empty sequences own no segment; see `_ssd_pallas`.)
-        pl.when(length > 0)(scan_span)
-    else:
-        scan_span()  # an empty sequence's final state is its initial state: it is still written
 
-    # Tokens past cu[-1] (bucket padding) belong to no sequence; the last span's programs zero them.
-    @pl.when(k == num_spans - 1)
-    def _zero_tail():
-        zeros = jnp.zeros((BT, BP), y_ref.dtype)
+def _head_dim_tiles(P: int, block_p: int, narrow_last: bool) -> tuple[int, int, int]:
+    """(BP, npb, BP_last): a head's P rows as npb tiles of BP rows, the last one BP_last wide (<= BP).
 
-        def zero_block(u0):
-            mask = (rows < (num_tokens - u0))[:, None] & pmask[None, :]
-            plgpu.store(y_ref.at[pl.ds(u0, BT), h, pl.ds(p0, BP)], zeros, mask=mask)
-
-        for_each_padding_block(cu_ref, num_tokens, BT, zero_block)
+    Triton's tiles are powers of two >= 16, so P = 80 in 64-wide tiles pads its second tile to 64 rows of which 16 are
+    real. With `narrow_last` that tile is only as wide as the power of two that covers the rest (80 = 64 + 16): its
+    programs do a quarter of the head-dim products (C Bᵀ is the same), and the GPU runs them beside wide ones.
+    """
+    BP = max(min(next_pow2(P), block_p), 16)
+    npb = -(-P // BP)
+    BP_last = max(next_pow2(P - (npb - 1) * BP), 16) if narrow_last else BP
+    return BP, npb, BP_last
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "block_t", "block_p", "segment_len",
-                                             "state_block_t", "prefetch", "num_warps", "num_stages", "interpret",
-                                             "write_states"))
+                                             "state_block_t", "prefetch", "narrow_last_tile", "num_warps",
+                                             "num_stages", "interpret", "write_states"))
 def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, dt_softplus, dt_limit, block_t,
-                block_p, segment_len, state_block_t, prefetch, num_warps, num_stages, interpret, write_states=True):
+                block_p, segment_len, state_block_t, prefetch, narrow_last_tile, num_warps, num_stages, interpret,
+                write_states=True):
     """Without `pool_index`, `states` is None or the initial states [S, H, P, N] and the final states come back as a
     new float32 array. With `pool_index` = (slot_ids, has_initial_state), both int32[S], `states` is the slot pool
     and comes back updated in place. `segment_len` 0: one span per sequence; else segments of that many tokens."""
@@ -148,8 +178,7 @@ def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, d
     S = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     # Triton's dot needs every tile dim >= 16; the masks make the extra rows and columns inert.
-    BP = max(min(next_pow2(P), block_p), 16)
-    npb = -(-P // BP)
+    BP, npb, BP_last = _head_dim_tiles(P, block_p, narrow_last_tile)
     BN = max(next_pow2(N), 16)
     compute_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else _f32
     rule = StepRule(dt_softplus=dt_softplus, dt_limit=dt_limit, compute_dtype=compute_dtype,
@@ -165,8 +194,8 @@ def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, d
                                       interpret=interpret)
         args, num_spans = [cu, table, starts], table.shape[1]
     kernel = functools.partial(
-        _ssd_kernel, num_seqs=S, num_tokens=T, P=P, N=N, R=H // G, BT=block_t, BP=BP, BN=BN, npb=npb,
-        has_init=states is not None, pooled=pooled, segmented=segmented, rule=rule, prefetch=prefetch,
+        _ssd_kernel, num_seqs=S, num_tokens=T, H=H, P=P, N=N, R=H // G, BT=block_t, BP=BP, BP_last=BP_last, BN=BN,
+        npb=npb, has_init=states is not None, pooled=pooled, segmented=segmented, rule=rule, prefetch=prefetch,
         write_states=write_states)
     args += [x, dt, A, D, dt_bias, B, C]
     final_shape, aliases = jax.ShapeDtypeStruct((S, H, P, N), _f32), {}
@@ -244,8 +273,8 @@ def _check_block(name: str, size: int) -> None:
 
 
 def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_index, dt_softplus, dt_limit,
-            interpret, block_t, block_p, segment_len, state_block_t, prefetch, num_warps, num_stages,
-            write_states=True):
+            interpret, block_t, block_p, segment_len, state_block_t, prefetch, narrow_last_tile, num_warps,
+            num_stages, write_states=True):
     """Tile defaults of both entry points: `block_t` is chunk_size rounded to a power of two, clipped to [16, 32]
     (H200, T = 8192: 32-token blocks 0.83 / 0.71 ms for Nano-9B S=1 / S=16 against 1.34 / 0.96 ms with 64);
     `segment_len` (0: one span per sequence) defaults to `_default_segment_len`; `block_p` (the head-dim tile) to
@@ -275,29 +304,31 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     dt_bias = jnp.zeros((H,), _f32) if dt_bias is None else dt_bias
     return _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, dt_softplus=dt_softplus,
                        dt_limit=dt_limit, block_t=block_t, block_p=block_p, segment_len=segment_len,
-                       state_block_t=state_block_t, prefetch=prefetch, num_warps=num_warps, num_stages=num_stages,
-                       interpret=interpret, write_states=write_states)
+                       state_block_t=state_block_t, prefetch=prefetch, narrow_last_tile=narrow_last_tile,
+                       num_warps=num_warps, num_stages=num_stages, interpret=interpret, write_states=write_states)
 
 
 def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initial_states=None,
                           dt_softplus=True, dt_limit=None, interpret=False, block_t=None, block_p=None,
-                          segment_len=None, state_block_t=None, prefetch=True, num_warps=4, num_stages=2):
+                          segment_len=None, state_block_t=None, prefetch=True, narrow_last_tile=True, num_warps=4,
+                          num_stages=2):
     """Kernel entry point of `mamba_ssd.ssd_chunk_scan`; tile options as in `_launch`."""
     return _launch(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                    states=initial_states, pool_index=None, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    interpret=interpret, block_t=block_t, block_p=block_p, segment_len=segment_len,
-                   state_block_t=state_block_t, prefetch=prefetch, num_warps=num_warps, num_stages=num_stages)
+                   state_block_t=state_block_t, prefetch=prefetch, narrow_last_tile=narrow_last_tile,
+                   num_warps=num_warps, num_stages=num_stages)
 
 
 def ssd_chunk_scan_pooled_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
                                  has_initial_state, dt_softplus=True, dt_limit=None, interpret=False, block_t=None,
-                                 block_p=None, segment_len=None, state_block_t=None, prefetch=True, num_warps=4,
-                                 num_stages=2, write_states=True):
+                                 block_p=None, segment_len=None, state_block_t=None, prefetch=True,
+                                 narrow_last_tile=True, num_warps=4, num_stages=2, write_states=True):
     """Kernel entry point of `mamba_ssd.ssd_chunk_scan_pooled`: -> (y, state_pool updated in place, or untouched
     without `write_states`)."""
     pool_index = (slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32))
     return _launch(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                    states=state_pool, pool_index=pool_index, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    interpret=interpret, block_t=block_t, block_p=block_p, segment_len=segment_len,
-                   state_block_t=state_block_t, prefetch=prefetch, num_warps=num_warps, num_stages=num_stages,
-                   write_states=write_states)
+                   state_block_t=state_block_t, prefetch=prefetch, narrow_last_tile=narrow_last_tile,
+                   num_warps=num_warps, num_stages=num_stages, write_states=write_states)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
-from pallas_kernels.mamba_ssd_pallas import _default_segment_len, ssd_chunk_scan_pallas
+from pallas_kernels.mamba_ssd_pallas import _default_segment_len, _head_dim_tiles, ssd_chunk_scan_pallas
 from tests.numerics import rms_relative_error
 
 IMPLS = ["xla", "pallas"]
@@ -95,6 +95,38 @@ def test_pallas_matches_xla(case, options):
     y_x, f_x = run(inp, cu, L, "xla")
     assert rms_relative_error(y_k, y_x) < 1e-5
     assert rms_relative_error(f_k, f_x) < 1e-5
+
+
+# P = 40 in 32-wide head-dim tiles: a full tile and a narrow last one (16 wide, 8 real rows) with `narrow_last_tile`,
+# two 32-wide ones without; P = 48 in 16-wide tiles: three equal ones. Several sequences (one short and one
+# that spans three kernel blocks), bucket padding, on one span and in 16-token segments.
+TILE_CASE = (61, 4, 40, 2, 16, 16, [0, 7, 44, 52])
+
+
+@pytest.mark.parametrize("options", [dict(block_p=32), dict(block_p=32, narrow_last_tile=False),
+                                     dict(block_p=32, segment_len=16, block_t=16, state_block_t=16),
+                                     dict(block_p=16, P=48)])
+def test_head_dim_tiles_match_xla(options):
+    options = dict(options, segment_len=options.get("segment_len", 0))
+    T, H, P, G, N, L, cu = TILE_CASE
+    P = options.pop("P", P)
+    inp = make_inputs(np.random.default_rng(7), T, H, P, G, N, len(cu) - 1)
+    y_k, f_k = ssd_chunk_scan_pallas(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
+                                     dt_bias=inp["dt_bias"], cu_seqlens=jnp.asarray(cu, jnp.int32), chunk_size=L,
+                                     initial_states=inp["init"], interpret=True, **options)
+    y_x, f_x = run(inp, cu, L, "xla")
+    assert rms_relative_error(y_k, y_x) < 1e-5
+    assert rms_relative_error(f_k, f_x) < 1e-5
+    assert np.all(np.asarray(y_k)[cu[-1]:] == 0)
+
+
+def test_head_dim_tiles():
+    assert _head_dim_tiles(80, 64, narrow_last=True) == (64, 2, 16)  # Nano-9B: 80 = 64 + 16
+    assert _head_dim_tiles(80, 64, narrow_last=False) == (64, 2, 64)
+    assert _head_dim_tiles(80, 128, narrow_last=True) == (128, 1, 128)  # one tile: padded, not split
+    assert _head_dim_tiles(80, 32, narrow_last=True) == (32, 3, 16)
+    assert _head_dim_tiles(64, 32, narrow_last=True) == (32, 2, 32)
+    assert _head_dim_tiles(5, 64, narrow_last=True) == (16, 1, 16)  # Triton's 16-row minimum
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -228,24 +260,25 @@ def test_segments_only_when_sequences_leave_the_gpu_short_of_programs():
 
 @pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_segmented_lowers_to_triton(pooled, dtype, cuda_lowering):
-    """The three kernels of the segmented scan lower to Triton at Nano-9B's shape (P = 80: masked head-dim tile)."""
+@pytest.mark.parametrize("tiles", [dict(segment_len=512), dict(segment_len=0, block_p=64)])
+def test_scan_lowers_to_triton(pooled, dtype, tiles, cuda_lowering):
+    """The scan's kernels lower to Triton at Nano-9B's shape (P = 80): segmented (three kernels, one masked 128-wide
+    head-dim tile) and on one span in 64-wide tiles (one kernel, a wide and a narrow 16-wide tile body)."""
     T, H, P, G, N, S = 2048, 128, 80, 8, 128, 4
     sds = jax.ShapeDtypeStruct
-    common = dict(chunk_size=128, segment_len=512, impl="pallas")
     if pooled:
         f = jax.jit(lambda x, dt, A, B, C, D, dtb, cu, pool, slots, flags: ssd_chunk_scan_pooled(
             x, dt, A, B, C, D=D, dt_bias=dtb, cu_seqlens=cu, state_pool=pool, slot_ids=slots,
-            has_initial_state=flags, **common))
+            has_initial_state=flags, chunk_size=128, impl="pallas", **tiles))
         extra = (sds((9, H, P, N), jnp.float32), sds((S,), jnp.int32), sds((S,), jnp.bool_))
     else:
         f = jax.jit(lambda x, dt, A, B, C, D, dtb, cu, init: ssd_chunk_scan_pallas(
-            x, dt, A, B, C, D=D, dt_bias=dtb, cu_seqlens=cu, initial_states=init, chunk_size=128, segment_len=512))
+            x, dt, A, B, C, D=D, dt_bias=dtb, cu_seqlens=cu, initial_states=init, chunk_size=128, **tiles))
         extra = (sds((S, H, P, N), jnp.float32),)
     text = cuda_lowering(f, sds((T, H, P), dtype), sds((T, H), dtype), sds((H,), jnp.float32),
                          sds((T, G, N), dtype), sds((T, G, N), dtype), sds((H,), jnp.float32),
                          sds((H,), jnp.float32), sds((S + 1,), jnp.int32), *extra)
-    assert text.count("__gpu$xla.gpu.triton") == 3
+    assert text.count("__gpu$xla.gpu.triton") == (3 if tiles["segment_len"] else 1)
 
 
 # Pooled variant. One packing of 7 sequence rows on a pool of 9 slots: row 0 continues from slot 3 with 11 tokens (not
@@ -294,6 +327,8 @@ def bits(a):
 # The segmented kernel in 16-token segments: rows 3 and 4 are two segments each, so the state passing reads row 4's
 # slot and must not read row 3's (fresh: NaN there), and their second segments' programs write the final states.
 POOLED_RUNS = [("xla", {}), ("pallas", {}), ("pallas", dict(segment_len=16, block_t=16, state_block_t=16))]
+# P = 24 in 16-wide tiles (with a narrow last tile of 8 real rows), one span and in segments.
+WIDE_POOLED_RUNS = [dict(block_p=16, segment_len=0), dict(block_p=16, segment_len=16, block_t=16, state_block_t=16)]
 
 
 @pytest.mark.parametrize("impl, options", POOLED_RUNS)
@@ -313,6 +348,21 @@ def test_pooled_matches_unpooled(impl, options, pool_dtype):
     assert rms_relative_error(y, y_ref) < 1e-5
     assert np.all(np.asarray(y)[POOL_CU[-1]:] == 0)
     assert rms_relative_error(np.asarray(new_pool.astype(jnp.float32))[written], fin_ref) < state_tol
+    assert np.array_equal(bits(new_pool)[idle], bits(pool)[idle])
+
+
+@pytest.mark.parametrize("options", WIDE_POOLED_RUNS)
+def test_pooled_head_dim_tiles(options):
+    """The pooled kernel over two head-dim tiles: every row of a written slot comes from the right program."""
+    T, H, P, G, N, L = 56, 4, 24, 2, 6, 8
+    rng = np.random.default_rng(23)
+    inp = make_inputs(rng, T, H, P, G, N, len(POOL_SLOTS), with_init=False)
+    pool = make_pool(rng, H, P, N, jnp.float32)
+    y_ref, fin_ref, written = pooled_reference(inp, pool, POOL_CU, L)
+    y, new_pool = run_pooled(inp, pool, POOL_CU, L, "pallas", **options)
+    idle = np.setdiff1d(np.arange(NUM_SLOTS), written)
+    assert rms_relative_error(y, y_ref) < 1e-5
+    assert rms_relative_error(np.asarray(new_pool)[written], fin_ref) < 1e-5
     assert np.array_equal(bits(new_pool)[idle], bits(pool)[idle])
 
 
