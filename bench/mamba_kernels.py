@@ -334,24 +334,28 @@ def scan_bytes(T, S, H, P, N, G):
 
 def tune(rows):
     # First run (2026-11-30): block_p 32/64/128 x warps 4/8 x block_t 64/128 at stages 2 -> `_default_block_p`,
-    # 4 warps, block_t 64. These variants probe the pipelining depth and a shorter block around that default.
-    # Second run: block_t 32 beat 64 everywhere (stages 1/3 and 2 warps did not help) -> default block_t 32.
-    # Third (2026-12-01, --tune-span): prefetch took Nano-9B's one sequence from 823 to 805 µs -> on by default for one
-    # sequence on one span. Fourth (scan_tune): prefetch paid everywhere (16 sequences, segmented) -> on by default;
-    # the variants time it off against the default (the table's row).
-    variants = [dict(prefetch=False), dict(block_t=16), dict(num_stages=3)]
+    # 4 warps, block_t 64. Second run: block_t 32 beat 64 everywhere (stages 1/3 and 2 warps did not help) -> default
+    # block_t 32. Third (2026-12-01, --tune-span): prefetch took Nano-9B's one sequence from 823 to 805 µs -> on by
+    # default for one sequence on one span. Fourth (scan_tune): prefetch paid everywhere (16 sequences, segmented) ->
+    # on by default. Fifth (2026-12-02): the head-dim tile with the narrow last tile (P = 80 as 64 + 16, fewer
+    # products than one 128-wide tile padded from 80) against 128 wide, for Nano-9B at 1 and 16 sequences and as the
+    # engine's extend step packs one prompt (1 real row of 256): the rows' count alone picks 128 there today.
+    variants = [{}, dict(block_p=128), dict(block_p=64)]
     key = jax.random.PRNGKey(2)
-    for name, sh in SHAPES.items():
-        for S in (1, 16):
-            inp = scan_inputs(key, 8192, sh["H"], sh["P"], sh["N"], sh["G"], S)
+    sh = SHAPES["nano9b"]
+    for T in (2048, 8192):
+        for S in (1, 16, "1 of 256"):
+            inp = scan_inputs(key, T, sh["H"], sh["P"], sh["N"], sh["G"], 1 if S == "1 of 256" else S)
+            if S == "1 of 256":
+                inp["cu"] = jnp.asarray(np.concatenate([[0], np.full(256, T)]), jnp.int32)
             for v in variants:
                 try:
                     f = jax.jit(lambda i, v=v: run_scan(i, "pallas", **v))
                     t = time_fn(lambda i: (f(i), None), lambda: (inp,))
-                    log(f"tune scan {name} T=8192 S={S} {v}: {t * 1e6:.0f} us")
-                    rows.append(dict(kind="tune", shape=name, S=S, variant=v, us=t * 1e6))
+                    log(f"tune scan nano9b T={T} S={S} {v or 'default'}: {t * 1e6:.0f} us")
+                    rows.append(dict(kind="tune", shape="nano9b", T=T, S=S, variant=v, us=t * 1e6))
                 except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
-                    log(f"tune scan {name} S={S} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                    log(f"tune scan nano9b T={T} S={S} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
 def coordinate_search(rows, kind, name, T, inp, best, search):

@@ -231,14 +231,16 @@ _MIN_SEGMENT, _MAX_SEGMENT = 256, 4096
 
 
 def _default_block_p(H: int, P: int, S: int, min_programs: int = 256) -> int:
-    """Widest head-dim tile that still gives about two programs per SM of an H200 (132 SMs).
+    """Widest head-dim tile, at most P (a P that is not a power of two ends in a narrow tile: `_head_dim_tiles`), that
+    still gives about two programs per SM of an H200 (132 SMs).
 
     Measured on the H200 (bench/mamba_kernels.py --tune, T = 8192): with few sequences the kernel is starved of
-    programs and narrower tiles win (Nano-9B S=1: 64 wide 1.35 ms vs 128 wide 1.79 ms; Nano-30B S=1: 32 wide 1.01 ms
-    vs 64 wide 1.26 ms); with 16 sequences the widest tile wins (Nano-9B S=16: 128 wide 0.96 ms vs 64 wide 1.21 ms),
-    since it computes C Bᵀ once per head instead of once per tile. Tiles narrower than 32 were slower still.
+    programs and narrower tiles win (Nano-30B S=1: 32 wide 1.01 ms vs 64 wide 1.26 ms). Nano-9B's P = 80 runs as
+    64 + 16 at every sequence count: fewer products than one tile padded to 128 and twice the programs (2026-12-02:
+    S=1 695 vs 1032 us, S=16 677 vs 685, one real row of 256 as the engine packs a prompt 1007 vs 1395; at T = 2048
+    195 vs 204 and 509 vs 500). Tiles narrower than 32 were slower.
     """
-    bp = next_pow2(P)
+    bp = max(1 << (P.bit_length() - 1), 16)
     while bp > 32 and H * (-(-P // bp)) * S < min_programs:
         bp //= 2
     return bp
