@@ -5,7 +5,8 @@
 
 --check    runs the correctness checks on the GPU first (compiled kernels vs XLA references, fp32 and bf16, awkward
            shapes, idle/padding slots bit-identical; the segmented scan too).
---tune     times a few tile configurations of the SSD scan at T = 8192 before the table.
+--tune     times Nano-9B's scan head-dim tiles (default, 128, 64 + 16) at T = 2k and 8k for 1 and 16 sequences and one
+           real row of 256 (how the engine packs a prompt), and the prefill conv's tiles, before the table.
 --tune-seg searches the segmented scan's options (segment length, head-dim tile, block lengths, load prefetch,
            stages, warps) one at a time for one sequence at T = 8k and 32k, keeping the best of each.
 --tune-span the same search over the one-span scan's options for Nano-9B (which takes that path) at 8k and 32k.
