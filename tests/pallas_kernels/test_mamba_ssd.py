@@ -99,13 +99,17 @@ def test_pallas_matches_xla(case, options):
 
 # P = 40 in 32-wide head-dim tiles: a full tile and a narrow last one (16 wide, 8 real rows) with `narrow_last_tile`,
 # two 32-wide ones without; P = 48 in 16-wide tiles: three equal ones. Several sequences (one short and one
-# that spans three kernel blocks), bucket padding, on one span and in 16-token segments.
+# that spans three kernel blocks), bucket padding, on one span and in 16-token segments; programs that walk two of
+# the 3 sequences (the second program's second step is past the rows) or four of the segment table's 6 rows (5 used;
+# each program's last step is past the table).
 TILE_CASE = (61, 4, 40, 2, 16, 16, [0, 7, 44, 52])
 
 
 @pytest.mark.parametrize("options", [dict(block_p=32), dict(block_p=32, narrow_last_tile=False),
                                      dict(block_p=32, segment_len=16, block_t=16, state_block_t=16),
-                                     dict(block_p=16, P=48)])
+                                     dict(block_p=16, P=48), dict(block_p=32, spans_per_program=2),
+                                     dict(block_p=32, spans_per_program=4, segment_len=16, block_t=16,
+                                          state_block_t=16)])
 def test_head_dim_tiles_match_xla(options):
     options = dict(options, segment_len=options.get("segment_len", 0))
     T, H, P, G, N, L, cu = TILE_CASE
@@ -260,10 +264,13 @@ def test_segments_only_when_sequences_leave_the_gpu_short_of_programs():
 
 @pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("tiles", [dict(segment_len=512), dict(segment_len=0, block_p=64)])
+@pytest.mark.parametrize("tiles", [dict(segment_len=512), dict(segment_len=0, block_p=64),
+                                   dict(segment_len=0, block_p=64, spans_per_program=2),
+                                   dict(segment_len=512, spans_per_program=3)])
 def test_scan_lowers_to_triton(pooled, dtype, tiles, cuda_lowering):
     """The scan's kernels lower to Triton at Nano-9B's shape (P = 80): segmented (three kernels, one masked 128-wide
-    head-dim tile) and on one span in 64-wide tiles (one kernel, a wide and a narrow 16-wide tile body)."""
+    head-dim tile) and on one span in 64-wide tiles (one kernel, a wide and a narrow 16-wide tile body), with
+    programs that walk one span or several."""
     T, H, P, G, N, S = 2048, 128, 80, 8, 128, 4
     sds = jax.ShapeDtypeStruct
     if pooled:
@@ -328,7 +335,8 @@ def bits(a):
 # slot and must not read row 3's (fresh: NaN there), and their second segments' programs write the final states.
 POOLED_RUNS = [("xla", {}), ("pallas", {}), ("pallas", dict(segment_len=16, block_t=16, state_block_t=16))]
 # P = 24 in 16-wide tiles (with a narrow last tile of 8 real rows), one span and in segments.
-WIDE_POOLED_RUNS = [dict(block_p=16, segment_len=0), dict(block_p=16, segment_len=16, block_t=16, state_block_t=16)]
+WIDE_POOLED_RUNS = [dict(block_p=16, segment_len=0), dict(block_p=16, segment_len=16, block_t=16, state_block_t=16),
+                    dict(block_p=16, segment_len=0, spans_per_program=3)]  # 7 rows over 3 programs: padding, empty
 
 
 @pytest.mark.parametrize("impl, options", POOLED_RUNS)
