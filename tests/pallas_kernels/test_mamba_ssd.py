@@ -60,7 +60,17 @@ CASES = [
     (24, 6, 12, 3, 8, 16, [0, 24]),
     (19, 2, 3, 1, 4, 4, [0, 1, 2, 3, 19]),
     (56, 4, 12, 2, 20, 16, [0, 3, 40, 51]),  # 37 tokens: three kernel blocks of 16, the last one short
+    (61, 4, 40, 2, 16, 16, [0, 7, 44, 52]),  # head-dim tiles of 32 + 16 (8 real rows) or 32 + 32: TILE_OPTIONS
+    (61, 4, 48, 2, 16, 16, [0, 7, 44, 52]),  # three 16-wide tiles
 ]
+
+# Head-dim tiles and span walks (cases 4 and 5): the narrow last tile and the padded one, on one span and in 16-token
+# segments; programs that walk two of the 3 sequences (the second program's second step is past the rows) or four of
+# the segment table's 6 rows (5 used: each program's last step is past the table).
+TILE_OPTIONS = [(4, dict(block_p=32, segment_len=0)), (4, dict(block_p=32, narrow_last_tile=False, segment_len=0)),
+                (4, dict(block_p=32, segment_len=16, block_t=16, state_block_t=16)),
+                (5, dict(block_p=16, segment_len=0)), (4, dict(block_p=32, spans_per_program=2, segment_len=0)),
+                (4, dict(block_p=32, spans_per_program=4, segment_len=16, block_t=16, state_block_t=16))]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -83,38 +93,14 @@ def test_matches_naive_recurrence(impl, case):
 
 
 @pytest.mark.parametrize("case, options", [(case, {}) for case in range(len(CASES))]
-                         + [(0, dict(prefetch=False, segment_len=0)), (3, dict(prefetch=False, segment_len=0))])
+                         + [(0, dict(prefetch=False, segment_len=0)), (3, dict(prefetch=False, segment_len=0))]
+                         + TILE_OPTIONS)
 def test_pallas_matches_xla(case, options):
     """The kernel with its defaults (segments where the tiny shapes leave programs short, the next block's loads
-    issued early) and on one span per sequence without the early loads, against the XLA scan."""
+    issued early), on one span per sequence without the early loads, and over head-dim tiles and span walks, against
+    the XLA scan."""
     T, H, P, G, N, L, cu = CASES[case]
     inp = make_inputs(np.random.default_rng(100 + case), T, H, P, G, N, len(cu) - 1)
-    y_k, f_k = ssd_chunk_scan_pallas(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
-                                     dt_bias=inp["dt_bias"], cu_seqlens=jnp.asarray(cu, jnp.int32), chunk_size=L,
-                                     initial_states=inp["init"], interpret=True, **options)
-    y_x, f_x = run(inp, cu, L, "xla")
-    assert rms_relative_error(y_k, y_x) < 1e-5
-    assert rms_relative_error(f_k, f_x) < 1e-5
-
-
-# P = 40 in 32-wide head-dim tiles: a full tile and a narrow last one (16 wide, 8 real rows) with `narrow_last_tile`,
-# two 32-wide ones without; P = 48 in 16-wide tiles: three equal ones. Several sequences (one short and one
-# that spans three kernel blocks), bucket padding, on one span and in 16-token segments; programs that walk two of
-# the 3 sequences (the second program's second step is past the rows) or four of the segment table's 6 rows (5 used;
-# each program's last step is past the table).
-TILE_CASE = (61, 4, 40, 2, 16, 16, [0, 7, 44, 52])
-
-
-@pytest.mark.parametrize("options", [dict(block_p=32), dict(block_p=32, narrow_last_tile=False),
-                                     dict(block_p=32, segment_len=16, block_t=16, state_block_t=16),
-                                     dict(block_p=16, P=48), dict(block_p=32, spans_per_program=2),
-                                     dict(block_p=32, spans_per_program=4, segment_len=16, block_t=16,
-                                          state_block_t=16)])
-def test_head_dim_tiles_match_xla(options):
-    options = dict(options, segment_len=options.get("segment_len", 0))
-    T, H, P, G, N, L, cu = TILE_CASE
-    P = options.pop("P", P)
-    inp = make_inputs(np.random.default_rng(7), T, H, P, G, N, len(cu) - 1)
     y_k, f_k = ssd_chunk_scan_pallas(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
                                      dt_bias=inp["dt_bias"], cu_seqlens=jnp.asarray(cu, jnp.int32), chunk_size=L,
                                      initial_states=inp["init"], interpret=True, **options)
@@ -333,16 +319,19 @@ def bits(a):
 
 # The segmented kernel in 16-token segments: rows 3 and 4 are two segments each, so the state passing reads row 4's
 # slot and must not read row 3's (fresh: NaN there), and their second segments' programs write the final states.
-POOLED_RUNS = [("xla", {}), ("pallas", {}), ("pallas", dict(segment_len=16, block_t=16, state_block_t=16))]
-# P = 24 in 16-wide tiles (with a narrow last tile of 8 real rows), one span and in segments.
-WIDE_POOLED_RUNS = [dict(block_p=16, segment_len=0), dict(block_p=16, segment_len=16, block_t=16, state_block_t=16),
-                    dict(block_p=16, segment_len=0, spans_per_program=3)]  # 7 rows over 3 programs: padding, empty
+# With P = 24 in 16-wide tiles (a narrow last tile of 8 real rows) every row of a written slot must come from the right
+# program, on one span, in segments, and with the 7 rows walked by 3 programs (padding and empty rows among them).
+POOLED_RUNS = [("xla", {}), ("pallas", {}), ("pallas", dict(segment_len=16, block_t=16, state_block_t=16)),
+               ("pallas", dict(P=24, block_p=16, segment_len=0)),
+               ("pallas", dict(P=24, block_p=16, segment_len=16, block_t=16, state_block_t=16)),
+               ("pallas", dict(P=24, block_p=16, segment_len=0, spans_per_program=3))]
 
 
 @pytest.mark.parametrize("impl, options", POOLED_RUNS)
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_pooled_matches_unpooled(impl, options, pool_dtype):
-    T, H, P, G, N, L = 56, 4, 5, 2, 6, 8  # tokens 51..55 are bucket padding
+    options = dict(options)
+    T, H, P, G, N, L = 56, 4, options.pop("P", 5), 2, 6, 8  # tokens 51..55 are bucket padding
     rng = np.random.default_rng(21)
     inp = make_inputs(rng, T, H, P, G, N, len(POOL_SLOTS), with_init=False)
     pool = make_pool(rng, H, P, N, pool_dtype)
@@ -356,21 +345,6 @@ def test_pooled_matches_unpooled(impl, options, pool_dtype):
     assert rms_relative_error(y, y_ref) < 1e-5
     assert np.all(np.asarray(y)[POOL_CU[-1]:] == 0)
     assert rms_relative_error(np.asarray(new_pool.astype(jnp.float32))[written], fin_ref) < state_tol
-    assert np.array_equal(bits(new_pool)[idle], bits(pool)[idle])
-
-
-@pytest.mark.parametrize("options", WIDE_POOLED_RUNS)
-def test_pooled_head_dim_tiles(options):
-    """The pooled kernel over two head-dim tiles: every row of a written slot comes from the right program."""
-    T, H, P, G, N, L = 56, 4, 24, 2, 6, 8
-    rng = np.random.default_rng(23)
-    inp = make_inputs(rng, T, H, P, G, N, len(POOL_SLOTS), with_init=False)
-    pool = make_pool(rng, H, P, N, jnp.float32)
-    y_ref, fin_ref, written = pooled_reference(inp, pool, POOL_CU, L)
-    y, new_pool = run_pooled(inp, pool, POOL_CU, L, "pallas", **options)
-    idle = np.setdiff1d(np.arange(NUM_SLOTS), written)
-    assert rms_relative_error(y, y_ref) < 1e-5
-    assert rms_relative_error(np.asarray(new_pool)[written], fin_ref) < 1e-5
     assert np.array_equal(bits(new_pool)[idle], bits(pool)[idle])
 
 
