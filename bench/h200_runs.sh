@@ -35,7 +35,7 @@ for what in "$@"; do
     spec_profile) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 32 --ks 1 \
         --tokens 16 --profile /tmp/prof_spec 2>&1 | grep -v Warning | tail -80 ;;
     scan_tune) timeout 300 python3 bench/mamba_kernels.py --tune --kernels none --out "$OUT/scan_tune" 2>&1 \
-        | grep "^tune\|FAIL" | tail -30 ;;  # Nano-9B scan options at 1 and 16 sequences and 1 of 256 rows
+        | grep "^tune\|FAIL" | tail -30 ;;  # Nano-9B's head-dim tiles at 1 and 16 sequences and 1 of 256 rows
     scan_seg) python3 bench/mamba_kernels.py --check --kernels scan_seg --out "$OUT" 2>&1 | tail -30 ;;
     # The decode state update at B=256 (fp32 and bf16 state, both shapes): tiles, then the launch orders and
     # evict-first state traffic (bench/mamba_kernels.py update_variants); the correctness checks first.

@@ -45,8 +45,8 @@ from pallas_kernels.packing import for_each_padding_block
 _f32 = jnp.float32
 
 
-def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, H, P, N, R, BT, BP, BP_last, BN, npb, spans_per_program,
-                has_init, pooled, segmented, rule, prefetch, write_states=True):
+def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, H, P, N, R, BT, BP, BP_last, BN, npb, has_init, pooled, segmented,
+                rule, prefetch, write_states=True):
     if segmented:
         tab_ref, starts_ref, *refs = refs
     x_ref, dt_ref, a_ref, d_ref, dtb_ref, b_ref, c_ref, *rest = refs
@@ -60,56 +60,25 @@ def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, H, P, N, R, BT, BP, BP_last
     # GPU then pairs a wide program with a narrow one on an SM rather than two wide ones).
     j, h = pl.program_id(0) // H, pl.program_id(0) % H
     g = h // R
-    # Program k0 of the span axis walks spans k0, k0 + K, ... (K programs on that axis): with spans_per_program > 1
-    # an empty row costs its program one table read instead of a launch of its own.
-    k0 = pl.program_id(1)
-    num_spans = tab_ref.shape[1] if segmented else num_seqs
-    K = -(-num_spans // spans_per_program)
-
-    def span(k):
-        """(seq, t0, length, only, last) of span k (< num_spans): its sequence row, first token and length, and
-        whether it is its sequence's only span / last span."""
-        if segmented:
-            last = tab_ref[LAST, k] != 0
-            return tab_ref[SEQ, k], tab_ref[START, k], tab_ref[LENGTH, k], (tab_ref[FIRST, k] != 0) & last, last
-        return k, cu_ref[k], cu_ref[k + 1] - cu_ref[k], True, True
-
+    k = pl.program_id(1)
+    if segmented:
+        seq, t0, length = tab_ref[SEQ, k], tab_ref[START, k], tab_ref[LENGTH, k]
+        last = tab_ref[LAST, k] != 0
+        only = (tab_ref[FIRST, k] != 0) & last  # the sequence's only segment
+        num_spans = tab_ref.shape[1]
+    else:
+        seq, t0 = k, cu_ref[k]
+        length = cu_ref[k + 1] - t0
+        only = last = True
+        num_spans = num_seqs
     a = a_ref[h].astype(_f32)
     dval = d_ref[h].astype(_f32)
     dtb = dtb_ref[h].astype(_f32)
     rows = lax.broadcasted_iota(jnp.int32, (BT,), 0)
 
     def scan_tile(p0, BP):
-        """The program's work on head-dim rows p0 .. p0 + BP - 1 (those < P), over each of its spans."""
+        """The program's work on head-dim rows p0 .. p0 + BP - 1 (those < P)."""
         pmask, nmask, pn_mask = tile_masks(p0, BP=BP, BN=BN, P=P, N=N)
-
-        def scan_one(k):
-            scan_span_k(k, p0, BP, pmask, nmask, pn_mask)
-
-        if spans_per_program == 1:
-            scan_one(k0)
-        else:
-            def each(i, carry):
-                k = k0 + i * K
-                pl.when(k < num_spans)(lambda: scan_one(jnp.minimum(k, num_spans - 1)))
-                return carry
-
-            lax.fori_loop(0, spans_per_program, each, 0)
-
-        # Tokens past cu[-1] (bucket padding) belong to no sequence; one program of the head tile zeroes them.
-        @pl.when(k0 == K - 1)
-        def _zero_tail():
-            zeros = jnp.zeros((BT, BP), y_ref.dtype)
-
-            def zero_block(u0):
-                mask = (rows < (num_tokens - u0))[:, None] & pmask[None, :]
-                plgpu.store(y_ref.at[pl.ds(u0, BT), h, pl.ds(p0, BP)], zeros, mask=mask)
-
-            for_each_padding_block(cu_ref, num_tokens, BT, zero_block)
-
-    def scan_span_k(k, p0, BP, pmask, nmask, pn_mask):
-        """Span k on the head-dim tile: its outputs, and its final state when it ends its sequence."""
-        seq, t0, length, only, last = span(k)
 
         def state_tile(ref, row):
             return ref.at[row, h, pl.ds(p0, BP), pl.ds(0, BN)]
@@ -163,6 +132,17 @@ def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, H, P, N, R, BT, BP, BP_last
         else:
             scan_span()  # an empty sequence's final state is its initial state: it is still written
 
+        # Tokens past cu[-1] (bucket padding) belong to no sequence; the last span's programs zero them.
+        @pl.when(k == num_spans - 1)
+        def _zero_tail():
+            zeros = jnp.zeros((BT, BP), y_ref.dtype)
+
+            def zero_block(u0):
+                mask = (rows < (num_tokens - u0))[:, None] & pmask[None, :]
+                plgpu.store(y_ref.at[pl.ds(u0, BT), h, pl.ds(p0, BP)], zeros, mask=mask)
+
+            for_each_padding_block(cu_ref, num_tokens, BT, zero_block)
+
     if BP_last == BP:
         scan_tile(j * BP, BP)
     else:  # two bodies, one per tile width (static shapes): the last tile is the narrow one
@@ -185,12 +165,11 @@ def _head_dim_tiles(P: int, block_p: int, narrow_last: bool) -> tuple[int, int, 
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "block_t", "block_p", "segment_len",
-                                             "state_block_t", "prefetch", "narrow_last_tile",
-                                             "spans_per_program", "num_warps", "num_stages", "interpret",
-                                             "write_states"))
+                                             "state_block_t", "prefetch", "narrow_last_tile", "num_warps",
+                                             "num_stages", "interpret", "write_states"))
 def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, dt_softplus, dt_limit, block_t,
-                block_p, segment_len, state_block_t, prefetch, narrow_last_tile, spans_per_program, num_warps,
-                num_stages, interpret, write_states=True):
+                block_p, segment_len, state_block_t, prefetch, narrow_last_tile, num_warps, num_stages, interpret,
+                write_states=True):
     """Without `pool_index`, `states` is None or the initial states [S, H, P, N] and the final states come back as a
     new float32 array. With `pool_index` = (slot_ids, has_initial_state), both int32[S], `states` is the slot pool
     and comes back updated in place. `segment_len` 0: one span per sequence; else segments of that many tokens."""
@@ -216,8 +195,8 @@ def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, d
         args, num_spans = [cu, table, starts], table.shape[1]
     kernel = functools.partial(
         _ssd_kernel, num_seqs=S, num_tokens=T, H=H, P=P, N=N, R=H // G, BT=block_t, BP=BP, BP_last=BP_last, BN=BN,
-        npb=npb, spans_per_program=spans_per_program, has_init=states is not None, pooled=pooled, segmented=segmented,
-        rule=rule, prefetch=prefetch, write_states=write_states)
+        npb=npb, has_init=states is not None, pooled=pooled, segmented=segmented, rule=rule, prefetch=prefetch,
+        write_states=write_states)
     args += [x, dt, A, D, dt_bias, B, C]
     final_shape, aliases = jax.ShapeDtypeStruct((S, H, P, N), _f32), {}
     if pooled:
@@ -227,7 +206,7 @@ def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, d
         args.append(states.astype(_f32))
     y, final = pl.pallas_call(
         kernel,
-        grid=(H * npb, -(-num_spans // spans_per_program)),
+        grid=(H * npb, num_spans),
         out_shape=(jax.ShapeDtypeStruct((T, H, P), x.dtype), final_shape),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -296,8 +275,8 @@ def _check_block(name: str, size: int) -> None:
 
 
 def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_index, dt_softplus, dt_limit,
-            interpret, block_t, block_p, segment_len, state_block_t, prefetch, narrow_last_tile, spans_per_program,
-            num_warps, num_stages, write_states=True):
+            interpret, block_t, block_p, segment_len, state_block_t, prefetch, narrow_last_tile, num_warps,
+            num_stages, write_states=True):
     """Tile defaults of both entry points: `block_t` is chunk_size rounded to a power of two, clipped to [16, 32]
     (H200, T = 8192: 32-token blocks 0.83 / 0.71 ms for Nano-9B S=1 / S=16 against 1.34 / 0.96 ms with 64);
     `segment_len` (0: one span per sequence) defaults to `_default_segment_len`; `block_p` (the head-dim tile) to
@@ -306,10 +285,7 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     divides the segment length. `prefetch` (the next block's loads issued before this block's arithmetic) is on by
     default: on the H200 at T = 8192 it took Nano-9B's one sequence from 823 to 805 µs (one span), its 16
     sequences from 723 to 716, Nano-30B's one sequence (segmented) from 318 to 285 and its 16 from 228 to 195
-    (`bash bench/h200_runs.sh scan_tune`, 2026-12-01). `narrow_last_tile`: `_head_dim_tiles`. `spans_per_program`
-    (default 1): each program of the span axis walks that many spans (k, k + K, ...), so the empty sequence rows of
-    an engine bucket cost a loop iteration rather than a program launch each (one real row of 256 took 1,007 µs at
-    Nano-9B's shape and 8k tokens where one row alone took 695, 2026-12-02); not yet timed, so off by default."""
+    (`bash bench/h200_runs.sh scan_tune`, 2026-12-01)."""
     T, H, P = x.shape
     S = cu_seqlens.shape[0] - 1
     if block_t is None:
@@ -319,8 +295,6 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     if block_p is None:
         block_p = _segmented_block_p(P) if segment_len else _default_block_p(H, P, S)
     _check_block("block_t", block_t)
-    if spans_per_program < 1:
-        raise ValueError(f"spans_per_program must be >= 1, got {spans_per_program}")
     if segment_len % block_t:
         raise ValueError(f"segment_len must be 0 or a multiple of block_t ({block_t}), got {segment_len}")
     if state_block_t is None:
@@ -333,27 +307,25 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     return _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, dt_softplus=dt_softplus,
                        dt_limit=dt_limit, block_t=block_t, block_p=block_p, segment_len=segment_len,
                        state_block_t=state_block_t, prefetch=prefetch, narrow_last_tile=narrow_last_tile,
-                       spans_per_program=spans_per_program, num_warps=num_warps, num_stages=num_stages,
-                       interpret=interpret, write_states=write_states)
+                       num_warps=num_warps, num_stages=num_stages, interpret=interpret, write_states=write_states)
 
 
 def ssd_chunk_scan_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initial_states=None,
                           dt_softplus=True, dt_limit=None, interpret=False, block_t=None, block_p=None,
-                          segment_len=None, state_block_t=None, prefetch=True, narrow_last_tile=True,
-                          spans_per_program=1, num_warps=4, num_stages=2):
+                          segment_len=None, state_block_t=None, prefetch=True, narrow_last_tile=True, num_warps=4,
+                          num_stages=2):
     """Kernel entry point of `mamba_ssd.ssd_chunk_scan`; tile options as in `_launch`."""
     return _launch(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                    states=initial_states, pool_index=None, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    interpret=interpret, block_t=block_t, block_p=block_p, segment_len=segment_len,
                    state_block_t=state_block_t, prefetch=prefetch, narrow_last_tile=narrow_last_tile,
-                   spans_per_program=spans_per_program, num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages)
 
 
 def ssd_chunk_scan_pooled_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
                                  has_initial_state, dt_softplus=True, dt_limit=None, interpret=False, block_t=None,
                                  block_p=None, segment_len=None, state_block_t=None, prefetch=True,
-                                 narrow_last_tile=True, spans_per_program=1, num_warps=4, num_stages=2,
-                                 write_states=True):
+                                 narrow_last_tile=True, num_warps=4, num_stages=2, write_states=True):
     """Kernel entry point of `mamba_ssd.ssd_chunk_scan_pooled`: -> (y, state_pool updated in place, or untouched
     without `write_states`)."""
     pool_index = (slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32))
@@ -361,5 +333,4 @@ def ssd_chunk_scan_pooled_pallas(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chun
                    states=state_pool, pool_index=pool_index, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    interpret=interpret, block_t=block_t, block_p=block_p, segment_len=segment_len,
                    state_block_t=state_block_t, prefetch=prefetch, narrow_last_tile=narrow_last_tile,
-                   spans_per_program=spans_per_program, num_warps=num_warps, num_stages=num_stages,
-                   write_states=write_states)
+                   num_warps=num_warps, num_stages=num_stages, write_states=write_states)

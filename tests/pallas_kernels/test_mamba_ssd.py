@@ -64,13 +64,10 @@ CASES = [
     (61, 4, 48, 2, 16, 16, [0, 7, 44, 52]),  # three 16-wide tiles
 ]
 
-# Head-dim tiles and span walks (cases 4 and 5): the narrow last tile and the padded one, on one span and in 16-token
-# segments; programs that walk two of the 3 sequences (the second program's second step is past the rows) or four of
-# the segment table's 6 rows (5 used: each program's last step is past the table).
+# Head-dim tiles (cases 4 and 5): the narrow last tile and the padded one, on one span and in 16-token segments.
 TILE_OPTIONS = [(4, dict(block_p=32, segment_len=0)), (4, dict(block_p=32, narrow_last_tile=False, segment_len=0)),
                 (4, dict(block_p=32, segment_len=16, block_t=16, state_block_t=16)),
-                (5, dict(block_p=16, segment_len=0)), (4, dict(block_p=32, spans_per_program=2, segment_len=0)),
-                (4, dict(block_p=32, spans_per_program=4, segment_len=16, block_t=16, state_block_t=16))]
+                (5, dict(block_p=16, segment_len=0))]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -97,8 +94,8 @@ def test_matches_naive_recurrence(impl, case):
                          + TILE_OPTIONS)
 def test_pallas_matches_xla(case, options):
     """The kernel with its defaults (segments where the tiny shapes leave programs short, the next block's loads
-    issued early), on one span per sequence without the early loads, and over head-dim tiles and span walks, against
-    the XLA scan."""
+    issued early), on one span per sequence without the early loads, and over head-dim tiles, against the XLA
+    scan."""
     T, H, P, G, N, L, cu = CASES[case]
     inp = make_inputs(np.random.default_rng(100 + case), T, H, P, G, N, len(cu) - 1)
     y_k, f_k = ssd_chunk_scan_pallas(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], D=inp["D"],
@@ -250,13 +247,10 @@ def test_segments_only_when_sequences_leave_the_gpu_short_of_programs():
 
 @pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("tiles", [dict(segment_len=512), dict(segment_len=0, block_p=64),
-                                   dict(segment_len=0, block_p=64, spans_per_program=2),
-                                   dict(segment_len=512, spans_per_program=3)])
+@pytest.mark.parametrize("tiles", [dict(segment_len=512), dict(segment_len=0, block_p=64)])
 def test_scan_lowers_to_triton(pooled, dtype, tiles, cuda_lowering):
     """The scan's kernels lower to Triton at Nano-9B's shape (P = 80): segmented (three kernels, one masked 128-wide
-    head-dim tile) and on one span in 64-wide tiles (one kernel, a wide and a narrow 16-wide tile body), with
-    programs that walk one span or several."""
+    head-dim tile) and on one span in 64-wide tiles (one kernel, a wide and a narrow 16-wide tile body)."""
     T, H, P, G, N, S = 2048, 128, 80, 8, 128, 4
     sds = jax.ShapeDtypeStruct
     if pooled:
@@ -320,11 +314,10 @@ def bits(a):
 # The segmented kernel in 16-token segments: rows 3 and 4 are two segments each, so the state passing reads row 4's
 # slot and must not read row 3's (fresh: NaN there), and their second segments' programs write the final states.
 # With P = 24 in 16-wide tiles (a narrow last tile of 8 real rows) every row of a written slot must come from the right
-# program, on one span, in segments, and with the 7 rows walked by 3 programs (padding and empty rows among them).
+# program, on one span and in segments.
 POOLED_RUNS = [("xla", {}), ("pallas", {}), ("pallas", dict(segment_len=16, block_t=16, state_block_t=16)),
                ("pallas", dict(P=24, block_p=16, segment_len=0)),
-               ("pallas", dict(P=24, block_p=16, segment_len=16, block_t=16, state_block_t=16)),
-               ("pallas", dict(P=24, block_p=16, segment_len=0, spans_per_program=3))]
+               ("pallas", dict(P=24, block_p=16, segment_len=16, block_t=16, state_block_t=16))]
 
 
 @pytest.mark.parametrize("impl, options", POOLED_RUNS)
