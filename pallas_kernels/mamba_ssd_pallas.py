@@ -21,7 +21,8 @@ donated pool is updated in place). Programs of empty sequences (padding rows on 
 store state, so only the slots of real sequences are touched.
 
 Triton needs power-of-two tiles: head dim P and state size N are padded up to powers of two by masked loads and
-stores inside the kernel (no copies in the wrapper), so P = 80 runs as a 128-wide (or two 64-wide) tile.
+stores inside the kernel (no copies in the wrapper). A head dim that is not a power of two ends in a narrow tile, so
+P = 80 runs as a 64-wide and a 16-wide tile (or as one tile padded to 128).
 Products run on bf16 operands when the inputs are bf16 (float32 accumulation, float32 state) and in full float32
 (IEEE, not TF32) when the inputs are float32.
 """
@@ -37,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._dispatch import dot_precision, largest_pow2_divisor, next_pow2
-from pallas_kernels._mamba_tiles import tile_masks
+from pallas_kernels._mamba_tiles import head_dim_tiles, tile_masks
 from pallas_kernels._ssd_blocks import StepRule, block_decay, block_output, load_block, scan_blocks, state_input
 from pallas_kernels.mamba_ssd_segments import FIRST, LAST, LENGTH, SEQ, START, segment_start_states, segment_table
 from pallas_kernels.packing import for_each_padding_block
@@ -56,8 +57,8 @@ def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, H, P, N, R, BT, BP, BP_last
         init_ref, y_ref, fin_ref = rest
     else:
         y_ref, fin_ref = rest
-    # Tile-major: the programs of every head's first tile come first (`_head_dim_tiles`: with a narrow last tile, the
-    # GPU then pairs a wide program with a narrow one on an SM rather than two wide ones).
+    # Tile-major: the programs of every head's first tile come first (`_mamba_tiles.head_dim_tiles`: with a narrow
+    # last tile, the GPU then pairs a wide program with a narrow one on an SM rather than two wide ones).
     j, h = pl.program_id(0) // H, pl.program_id(0) % H
     g = h // R
     k = pl.program_id(1)
@@ -151,19 +152,6 @@ def _ssd_kernel(cu_ref, *refs, num_seqs, num_tokens, H, P, N, R, BT, BP, BP_last
         pl.when(j == npb - 1)(lambda: scan_tile(j * BP, BP_last))
 
 
-def _head_dim_tiles(P: int, block_p: int, narrow_last: bool) -> tuple[int, int, int]:
-    """(BP, npb, BP_last): a head's P rows as npb tiles of BP rows, the last one BP_last wide (<= BP).
-
-    Triton's tiles are powers of two >= 16, so P = 80 in 64-wide tiles pads its second tile to 64 rows of which 16 are
-    real. With `narrow_last` that tile is only as wide as the power of two that covers the rest (80 = 64 + 16): its
-    programs do a quarter of the head-dim products (C Bᵀ is the same), and the GPU runs them beside wide ones.
-    """
-    BP = max(min(next_pow2(P), block_p), 16)
-    npb = -(-P // BP)
-    BP_last = max(next_pow2(P - (npb - 1) * BP), 16) if narrow_last else BP
-    return BP, npb, BP_last
-
-
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "block_t", "block_p", "segment_len",
                                              "state_block_t", "prefetch", "narrow_last_tile", "num_warps",
                                              "num_stages", "interpret", "write_states"))
@@ -178,7 +166,7 @@ def _ssd_pallas(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, pool_index, *, d
     S = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     # Triton's dot needs every tile dim >= 16; the masks make the extra rows and columns inert.
-    BP, npb, BP_last = _head_dim_tiles(P, block_p, narrow_last_tile)
+    BP, npb, BP_last = head_dim_tiles(P, block_p, narrow_last=narrow_last_tile)
     BN = max(next_pow2(N), 16)
     compute_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else _f32
     rule = StepRule(dt_softplus=dt_softplus, dt_limit=dt_limit, compute_dtype=compute_dtype,
@@ -231,8 +219,8 @@ _MIN_SEGMENT, _MAX_SEGMENT = 256, 4096
 
 
 def _default_block_p(H: int, P: int, S: int, min_programs: int = 256) -> int:
-    """Widest head-dim tile, at most P (a P that is not a power of two ends in a narrow tile: `_head_dim_tiles`), that
-    still gives about two programs per SM of an H200 (132 SMs).
+    """Widest head-dim tile, at most P (a P that is not a power of two ends in a narrow tile:
+    `_mamba_tiles.head_dim_tiles`), that still gives about two programs per SM of an H200 (132 SMs).
 
     Measured on the H200 (bench/mamba_kernels.py --tune, T = 8192): with few sequences the kernel is starved of
     programs and narrower tiles win (Nano-30B S=1: 32 wide 1.01 ms vs 64 wide 1.26 ms). Nano-9B's P = 80 runs as
@@ -285,8 +273,9 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     divides the segment length. `prefetch` (the next block's loads issued before this block's arithmetic) is on by
     default: on the H200 at T = 8192 it took Nano-9B's one sequence from 823 to 805 µs (one span), its 16
     sequences from 723 to 716, Nano-30B's one sequence (segmented) from 318 to 285 and its 16 from 228 to 195
-    (`bash bench/h200_runs.sh scan_tune`, 2026-12-01). `narrow_last_tile` (on by default): see `_head_dim_tiles`;
-    it took Nano-9B's one sequence from 770 to 692 µs at 8k and from 3,151 to 2,818 at 32k (2026-12-02)."""
+    (`bash bench/h200_runs.sh scan_tune`, 2026-12-01). `narrow_last_tile` (on by default): see
+    `_mamba_tiles.head_dim_tiles`; it took Nano-9B's one sequence from 770 to 692 µs at 8k and from 3,151 to 2,818
+    at 32k (2026-12-02)."""
     T, H, P = x.shape
     S = cu_seqlens.shape[0] - 1
     if block_t is None:

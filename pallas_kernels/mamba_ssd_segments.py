@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._dispatch import next_pow2
-from pallas_kernels._mamba_tiles import head_tile
+from pallas_kernels._mamba_tiles import head_dim_tiles, head_tile
 from pallas_kernels._ssd_blocks import StepRule, block_decay, load_block, scan_blocks, state_input
 from pallas_kernels.packing import aligned_blocks
 
@@ -145,8 +145,7 @@ def segment_start_states(x, dt, A, B, dt_bias, table, num_used, states, pool_ind
     T, H, P = x.shape
     G, N = B.shape[1:]
     num_segments = table.shape[1]
-    BP = max(min(next_pow2(P), block_p), 16)
-    npb = -(-P // BP)
+    BP, npb, _ = head_dim_tiles(P, block_p, narrow_last=False)  # no output tiles here: equal tiles
     BN = max(next_pow2(N), 16)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     buf, decay = pl.pallas_call(

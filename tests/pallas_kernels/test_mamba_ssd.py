@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
-from pallas_kernels.mamba_ssd_pallas import _default_segment_len, _head_dim_tiles, ssd_chunk_scan_pallas
+from pallas_kernels._mamba_tiles import head_dim_tiles
+from pallas_kernels.mamba_ssd_pallas import _default_segment_len, ssd_chunk_scan_pallas
 from tests.numerics import rms_relative_error
 
 IMPLS = ["xla", "pallas"]
@@ -108,12 +109,12 @@ def test_pallas_matches_xla(case, options):
 
 
 def test_head_dim_tiles():
-    assert _head_dim_tiles(80, 64, narrow_last=True) == (64, 2, 16)  # Nano-9B: 80 = 64 + 16
-    assert _head_dim_tiles(80, 64, narrow_last=False) == (64, 2, 64)
-    assert _head_dim_tiles(80, 128, narrow_last=True) == (128, 1, 128)  # one tile: padded, not split
-    assert _head_dim_tiles(80, 32, narrow_last=True) == (32, 3, 16)
-    assert _head_dim_tiles(64, 32, narrow_last=True) == (32, 2, 32)
-    assert _head_dim_tiles(5, 64, narrow_last=True) == (16, 1, 16)  # Triton's 16-row minimum
+    assert head_dim_tiles(80, 64, narrow_last=True) == (64, 2, 16)  # Nano-9B: 80 = 64 + 16
+    assert head_dim_tiles(80, 64, narrow_last=False) == (64, 2, 64)
+    assert head_dim_tiles(80, 128, narrow_last=True) == (128, 1, 128)  # one tile: padded, not split
+    assert head_dim_tiles(80, 32, narrow_last=True) == (32, 3, 16)
+    assert head_dim_tiles(64, 32, narrow_last=True) == (32, 2, 32)
+    assert head_dim_tiles(5, 64, narrow_last=True) == (16, 1, 16)  # Triton's 16-row minimum
 
 
 @pytest.mark.parametrize("impl", IMPLS)
