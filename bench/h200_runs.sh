@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -35,7 +35,9 @@ for what in "$@"; do
     spec_profile) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 32 --ks 1 \
         --tokens 16 --profile /tmp/prof_spec 2>&1 | grep -v Warning | tail -80 ;;
     scan_tune) timeout 300 python3 bench/mamba_kernels.py --tune --kernels none --out "$OUT/scan_tune" 2>&1 \
-        | grep "^tune\|FAIL" | tail -30 ;;  # Nano-9B's head-dim tiles at 1 and 16 sequences and 1 of 256 rows
+        | grep "^tune\|FAIL\|pooled" | tail -40 ;;  # Nano-9B's head-dim tiles at 1 and 16 sequences and 1 of 256 rows; the pooled scan at 1 of 1 and 1 of 256
+    conv_tune) timeout 200 python3 bench/mamba_kernels.py --tune-conv --out "$OUT/conv_tune" 2>&1 \
+        | grep "tune conv\|FAIL" | tail -20 ;;  # the prefill conv's tiles at 8k; pooled vs gather/conv/scatter
     scan_seg) python3 bench/mamba_kernels.py --check --kernels scan_seg --out "$OUT" 2>&1 | tail -30 ;;
     # The decode state update at B=256 (fp32 and bf16 state, both shapes): tiles, then the launch orders and
     # evict-first state traffic (bench/mamba_kernels.py update_variants); the correctness checks first.
@@ -122,6 +124,15 @@ for what in "$@"; do
         timeout 250 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
           --phases prefill --prefill-len 8192 --prefill-chunk 8192 --profile /tmp/prof_n30_prefill > "$log" 2>&1
         echo "exit $?"; grep -A3 "^| tokens" "$log"; grep -A40 "^## profile" "$log" | head -45 ;;
+    # Nano-9B's 8k prefill through the engine in chunks of PREFILL_CHUNKS (default 2048, the engine's, and 8192),
+    # per-op table each: where the TTFT above its floor goes.
+    nano9b_prefill_profile) for chunk in ${PREFILL_CHUNKS:-2048 8192}; do
+        log="$OUT/nano9b_prefill_profile_$chunk.log"
+        timeout 200 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano9b.json \
+          --phases prefill --prefill-len 8192 --prefill-chunk "$chunk" --profile "/tmp/prof_n9_prefill_$chunk" \
+          > "$log" 2>&1
+        echo "exit $? (chunks of $chunk)"; grep -A3 "^| tokens" "$log"; grep -A40 "^## profile" "$log" | head -45
+      done ;;
     # The prefill conv (0.7-0.8x its XLA reference alone at 8k tokens on 2026-11-30) against that reference inside
     # the engine: one 8192-token prompt in one chunk on Nano-30B and Nano-9B, with the kernel, then with XLA's.
     conv_xla_prefill) for xla in "" causal_conv1d; do echo "--- JAXMODELS_XLA_KERNELS=${xla:-(none)}"

@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxmodels.benchmark_floors import COPY_BANDWIDTH  # the H200's device-to-device copy rate
 from pallas_kernels._dispatch import next_pow2
-from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_pooled, causal_conv1d_update
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled
 from pallas_kernels.mamba_ssd_pallas import ssd_chunk_scan_pallas
 from pallas_kernels.mamba_state_update import ssd_state_update
@@ -357,6 +357,12 @@ def tune(rows):
                     rows.append(dict(kind="tune", shape="nano9b", T=T, S=S, variant=v, us=t * 1e6))
                 except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
                     log(f"tune scan nano9b T={T} S={S} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    # Sixth (2026-12-02, 16:29 UTC): programs walking 4, 16 or 64 rows took "1 of 256" at 8k only from 1,019 to 966
+    # µs, and the engine's 8k prefill not at all (275.2 / 274.0 ms): the rows' extra time is the final states this
+    # entry writes for every row (256 x 1.3 MB at Nano-9B's shape), which the engine's pooled scan skips for empty
+    # rows. So the pooled scan at 1 real row of 1 and of 256, the engine's extend step.
+    for num_rows in (1, 256):
+        pooled_table(rows, key, "nano9b", sh["H"], sh["P"], sh["N"], sh["G"], T=8192, real=1, num_rows=num_rows)
 
 
 def coordinate_search(rows, kind, name, T, inp, best, search):
@@ -570,16 +576,45 @@ def tune_conv(rows):
     w = jax.random.normal(k2, (Cd, K)).astype(jnp.bfloat16)
     b = jnp.zeros((Cd,), jnp.bfloat16)
     cu = jnp.asarray([0, 8192], jnp.int32)
-    for v in (dict(block_t=64, block_c=256, num_warps=4), dict(block_t=128, block_c=256, num_warps=4),
-              dict(block_t=64, block_c=512, num_warps=4), dict(block_t=128, block_c=512, num_warps=8),
-              dict(block_t=32, block_c=1024, num_warps=8)):
+    floor_us = 2 * x.size * 2 / COPY_BANDWIDTH * 1e6  # x read once, y written once
+    # First run (2026-11-30): 64 x 256 on 4 warps best of these five (326 us at 8k, 30% of its byte floor). Second
+    # (2026-12-02): narrower token and channel tiles, which hold fewer registers a thread and so more programs an SM.
+    for v in (dict(block_t=64, block_c=256, num_warps=4), dict(block_t=32, block_c=256, num_warps=4),
+              dict(block_t=16, block_c=256, num_warps=4), dict(block_t=32, block_c=128, num_warps=4),
+              dict(block_t=64, block_c=128, num_warps=4), dict(block_t=16, block_c=512, num_warps=4),
+              dict(block_t=32, block_c=512, num_warps=8), dict(block_t=32, block_c=1024, num_warps=8)):
         try:
             f = jax.jit(lambda x, v=v: causal_conv1d_pallas(x, w, b, cu_seqlens=cu, **v))
             t = time_fn(lambda x: (f(x), None), lambda: (x,))
-            log(f"tune conv nano9b T=8192 S=1 {v}: {t * 1e6:.0f} us")
-            rows.append(dict(kind="tune_conv", variant=v, us=t * 1e6))
+            log(f"tune conv nano9b T=8192 S=1 {v}: {t * 1e6:.0f} us (byte floor {floor_us:.0f})")
+            rows.append(dict(kind="tune_conv", variant=v, us=t * 1e6, floor_us=floor_us))
         except Exception as e:  # noqa: BLE001
             log(f"tune conv {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    # The engine's extend step: one real row of 256 on the pool, at 2048 tokens (the default chunk) and 8192.
+    for T in (2048, 8192):
+        cu_rows = jnp.concatenate([jnp.asarray([0], jnp.int32), jnp.full((256,), T, jnp.int32)])
+        slots = jnp.concatenate([jnp.asarray([1], jnp.int32), jnp.zeros((255,), jnp.int32)])
+        flags = jnp.arange(256) < 1
+
+        def gather_scatter(x, pool):  # the engine's extend step before the pooled kernel (2026-12-02)
+            init = jnp.where(flags[:, None, None], pool[slots], 0).astype(pool.dtype)
+            y, fin = causal_conv1d(x, w, b, cu_seqlens=cu_rows, initial_states=init, impl="pallas")
+            return y, pool.at[slots].set(fin)
+
+        steps = dict(pooled=lambda x, pool: causal_conv1d_pooled(
+            x, w, b, cu_seqlens=cu_rows, conv_pool=pool, slot_ids=slots, has_initial_state=flags, impl="pallas"),
+            gather_scatter=gather_scatter)
+        for impl, step in steps.items():
+            f = jax.jit(step, donate_argnums=1)
+
+            def call(x, pool, f=f):
+                y, pool = f(x, pool)
+                return y, (x, pool)  # the donated pool feeds the next call
+
+            t = time_fn(call, lambda: (x[:T], jnp.zeros((257, Cd, K - 1), jnp.bfloat16)))
+            log(f"tune conv pooled nano9b T={T} 1 of 256 rows {impl}: {t * 1e6:.0f} us "
+                f"(byte floor {floor_us * T / 8192:.0f})")
+            rows.append(dict(kind="tune_conv_pooled", T=T, impl=impl, us=t * 1e6))
 
 
 def segmented_table(rows, Ts):
@@ -701,6 +736,8 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-update", action="store_true", help="only the state update's tile sweep")
     ap.add_argument("--tune-conv-update", action="store_true", help="only the decode conv update's tile sweep")
+    ap.add_argument("--tune-conv", action="store_true",
+                    help="only the prefill conv's tile sweep and the pooled conv at one real row of 256")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--tune-seg", action="store_true", help="the segmented scan's option search before the table")
@@ -726,6 +763,9 @@ def main():
             return
         if a.tune_conv_update:
             tune_conv_update(rows)
+            return
+        if a.tune_conv:
+            tune_conv(rows)
             return
         if a.tune:
             tune(rows)

@@ -2,7 +2,8 @@
 
 `impl="auto"` runs the Pallas kernel on a GPU and the XLA reference elsewhere (see `_dispatch.resolve_impl`).
 """
-from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update, causal_conv1d_windows  # noqa: E402,F401
+from pallas_kernels.causal_conv1d import (causal_conv1d, causal_conv1d_pooled, causal_conv1d_update,  # noqa: E402,F401
+                                          causal_conv1d_windows)
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled  # noqa: E402,F401
 from pallas_kernels.mamba_state_update import (  # noqa: E402,F401
     ssd_state_advance, ssd_state_update, ssd_state_update_packed)

@@ -8,6 +8,9 @@ and final_states[s] = the last K-1 entries of init[s] ++ x[seq s], exactly what 
 sequence token by token leaves behind (so a sequence shorter than K-1 keeps part of its initial state). Tokens at
 positions >= cu_seqlens[-1] belong to no sequence: their y is 0.
 
+Pooled prefill (`causal_conv1d_pooled`, the engine's extend step): the same with init[s] = conv_pool[slot_ids[s]]
+where has_initial_state[s] (else zeros), and final_states[s] written back to that slot; empty sequences touch no slot.
+
 Decode: window = conv_state[slot] ++ x; y = act(window · weight + bias); conv_state[slot] <- window[1:]. Slot 0 is
 the null slot of padded requests (written with garbage, never another slot); slots not in slot_ids are untouched.
 
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._dispatch import resolve_impl
-from pallas_kernels.packing import token_sequences
+from pallas_kernels.packing import pool_rows, token_sequences
 
 _ACTS = (None, "silu", "swish")
 
@@ -136,6 +139,42 @@ def causal_conv1d(x, weight, bias, *, cu_seqlens, initial_states=None, activatio
 
     return causal_conv1d_pallas(x, weight, bias, cu_seqlens=cu_seqlens, initial_states=initial_states,
                                 activation=activation, interpret=interpret)
+
+
+def causal_conv1d_pooled_xla(x, weight, bias, *, cu_seqlens, conv_pool, slot_ids, has_initial_state,
+                             activation="silu"):
+    """The reference on pool rows: gather the initial states, convolve, scatter the finals back (rows as in
+    `packing.pool_rows`)."""
+    read_rows, write_rows = pool_rows(cu_seqlens, slot_ids, has_initial_state, conv_pool.shape[0])
+    initial_states = conv_pool.at[read_rows].get(mode="fill", fill_value=0)
+    y, final_states = causal_conv1d_xla(x, weight, bias, cu_seqlens=cu_seqlens, initial_states=initial_states,
+                                        activation=activation)
+    return y, conv_pool.at[write_rows].set(final_states.astype(conv_pool.dtype), mode="drop")
+
+
+def causal_conv1d_pooled(x, weight, bias, *, cu_seqlens, conv_pool, slot_ids, has_initial_state, activation="silu",
+                         impl="auto", interpret=False):
+    """`causal_conv1d` with the conv states in the slot pool: conv_pool[slots, C, K-1], slot_ids int32[S],
+    has_initial_state bool[S] -> (y[T, C], conv_pool). Sequence s starts from conv_pool[slot_ids[s]] where
+    has_initial_state[s] (else from zeros) and leaves its final state there; empty sequences (padding rows) touch
+    nothing. Donate the pool to update it in place."""
+    _check(x.shape[-1], weight, bias)
+    _check_activation(activation)
+    S = cu_seqlens.shape[0] - 1
+    if conv_pool.ndim != 3 or conv_pool.shape[1:] != (x.shape[1], weight.shape[1] - 1):
+        raise ValueError(f"conv_pool must be [slots, {x.shape[1]}, {weight.shape[1] - 1}], got {conv_pool.shape}")
+    if slot_ids.shape != (S,) or has_initial_state.shape != (S,):
+        raise ValueError(f"slot_ids and has_initial_state must be [S]={S}, got {slot_ids.shape} and "
+                         f"{has_initial_state.shape}")
+    which = resolve_impl(impl, interpret, pallas_problem(weight.shape[1]), "causal_conv1d_pooled")
+    if which == "xla":
+        return causal_conv1d_pooled_xla(x, weight, bias, cu_seqlens=cu_seqlens, conv_pool=conv_pool,
+                                        slot_ids=slot_ids, has_initial_state=has_initial_state, activation=activation)
+    from pallas_kernels.causal_conv1d_pallas import causal_conv1d_pooled_pallas
+
+    return causal_conv1d_pooled_pallas(x, weight, bias, cu_seqlens=cu_seqlens, conv_pool=conv_pool,
+                                       slot_ids=slot_ids, has_initial_state=has_initial_state, activation=activation,
+                                       interpret=interpret)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias, *, slot_ids, activation="silu", x_offset=0, impl="auto",

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._dispatch import resolve_impl
-from pallas_kernels.packing import aligned_blocks, token_sequences
+from pallas_kernels.packing import aligned_blocks, pool_rows, token_sequences
 
 _HI = lax.Precision.HIGHEST
 
@@ -174,17 +174,9 @@ def ssd_chunk_scan_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, in
 @functools.partial(jax.jit, static_argnames=("chunk_size", "dt_softplus", "dt_limit", "write_states"))
 def ssd_chunk_scan_pooled_xla(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, state_pool, slot_ids,
                               has_initial_state, dt_softplus=True, dt_limit=None, write_states=True):
-    """The reference on pool rows: gather the initial states, scan, scatter the finals back.
-
-    Rows that must not touch the pool get the out-of-range index num_slots: fresh and empty sequences gather zeros
-    (mode="fill") and empty ones scatter nothing (mode="drop"), so the null slot and idle slots are never read into
-    the result nor written, whatever they hold.
-    """
-    num_slots = state_pool.shape[0]
-    cu = cu_seqlens.astype(jnp.int32)
-    live = cu[1:] > cu[:-1]
-    read_rows = jnp.where(live & has_initial_state.astype(bool), slot_ids, num_slots)
-    write_rows = jnp.where(live, slot_ids, num_slots)
+    """The reference on pool rows: gather the initial states, scan, scatter the finals back (rows as in
+    `packing.pool_rows`)."""
+    read_rows, write_rows = pool_rows(cu_seqlens, slot_ids, has_initial_state, state_pool.shape[0])
     initial_states = state_pool.at[read_rows].get(mode="fill", fill_value=0).astype(jnp.float32)
     y, final_states = ssd_chunk_scan_xla(x, dt, A, B, C, D=D, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
                                          chunk_size=chunk_size, initial_states=initial_states,

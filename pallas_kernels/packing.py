@@ -116,3 +116,16 @@ def for_each_padding_block(cu_ref, num_tokens: int, block: int, body) -> None:
         return carry
 
     lax.fori_loop(0, (num_tokens - padding_start + (block - 1)) // block, step, 0)
+
+
+def pool_rows(cu_seqlens, slot_ids, has_initial_state, num_slots: int):
+    """(read_rows, write_rows) int32[S] of the pooled kernels' XLA references: the pool row each sequence reads its
+    initial state from and writes its final state to, or the out-of-range row num_slots where it must not touch the
+    pool. Fresh and empty sequences read nothing (gather with mode="fill" gives zeros) and empty ones, the bucket's
+    padding rows (several on the null slot), write nothing (scatter with mode="drop"), so the null slot and idle
+    slots never enter a result, whatever they hold."""
+    cu = cu_seqlens.astype(jnp.int32)
+    live = cu[1:] > cu[:-1]
+    read_rows = jnp.where(live & has_initial_state.astype(bool), slot_ids, num_slots)
+    return read_rows, jnp.where(live, slot_ids, num_slots)
+

@@ -9,6 +9,7 @@ equal-length sequences is one such packing.
 """
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
@@ -92,28 +93,30 @@ class Mamba2Mixer(nnx.Module):
         but not in its one-token decode path, so tokens that were first decoded must be recomputed unfloored to
         reproduce the same state.
         """
-        gate, conv_states, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv_states, dt_floor_mask)
+        conv = functools.partial(pallas_kernels.causal_conv1d, initial_states=conv_states)
+        gate, conv_states, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv, dt_floor_mask)
         y, ssm_states = pallas_kernels.ssd_chunk_scan(**scan_args, initial_states=ssm_states)
         return self._output(y, gate, hidden.dtype), conv_states, ssm_states
 
-    def forward_packed_pooled(self, hidden: jax.Array, cu_seqlens: jax.Array, conv_states, ssm_pool, slot_ids,
+    def forward_packed_pooled(self, hidden: jax.Array, cu_seqlens: jax.Array, cache: MambaCache, slot_ids,
                               has_initial_state, dt_floor_mask=None):
-        """`forward_packed` with the SSM states read from and written to the slot pool in place:
-        -> (out[T,D], conv_states[S,C,K-1], ssm_pool). Sequence s starts from ssm_pool[slot_ids[s]] where
-        has_initial_state[s] (else from zeros) and leaves its final state there; empty sequences touch nothing,
-        so padding rows cost no state traffic (see pallas_kernels.ssd_chunk_scan_pooled)."""
-        gate, conv_states, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv_states, dt_floor_mask)
-        y, ssm_pool = pallas_kernels.ssd_chunk_scan_pooled(**scan_args, state_pool=ssm_pool, slot_ids=slot_ids,
-                                                           has_initial_state=has_initial_state)
-        return self._output(y, gate, hidden.dtype), conv_states, ssm_pool
+        """`forward_packed` with both states read from and written to the slot pools in place:
+        -> (out[T,D], MambaCache). Sequence s starts from its pools' rows slot_ids[s] where has_initial_state[s]
+        (else from zeros) and leaves its final states there; empty sequences touch nothing, so padding rows cost no
+        state traffic (see pallas_kernels.ssd_chunk_scan_pooled and causal_conv1d_pooled)."""
+        pools = dict(slot_ids=slot_ids, has_initial_state=has_initial_state)
+        conv = functools.partial(pallas_kernels.causal_conv1d_pooled, conv_pool=cache.conv, **pools)
+        gate, conv_pool, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv, dt_floor_mask)
+        y, ssm_pool = pallas_kernels.ssd_chunk_scan_pooled(**scan_args, state_pool=cache.ssm, **pools)
+        return self._output(y, gate, hidden.dtype), MambaCache(conv=conv_pool, ssm=ssm_pool)
 
-    def _packed_scan_inputs(self, hidden, cu_seqlens, conv_states, dt_floor_mask):
-        """in_proj and the causal conv of packed tokens -> (gate z, final conv states, the scan's arguments but
-        its states)."""
+    def _packed_scan_inputs(self, hidden, cu_seqlens, conv, dt_floor_mask):
+        """in_proj and the causal conv of packed tokens -> (gate z, what the conv returns besides its output (final
+        states or the updated pool), the scan's arguments but its states). `conv(xbc, weight, bias, *,
+        cu_seqlens, activation)` is `causal_conv1d` or `causal_conv1d_pooled` with its states bound."""
         gate, xbc, dt = self._project(hidden)
-        xbc, conv_states = pallas_kernels.causal_conv1d(
-            xbc, self.conv1d.weight[...], self._conv_bias(), cu_seqlens=cu_seqlens, initial_states=conv_states,
-            activation="silu")
+        xbc, conv_states = conv(xbc, self.conv1d.weight[...], self._conv_bias(), cu_seqlens=cu_seqlens,
+                                activation="silu")
         dt_args = dict(dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=(self.time_step_min, math.inf))
         if dt_floor_mask is not None:
             dt = self._softplus_dt(dt)
@@ -214,13 +217,9 @@ class Mamba2Mixer(nnx.Module):
             return out, MambaCache(conv=conv, ssm=ssm)
         if step.kind is StepKind.VERIFY:
             return self.forward_verify(hidden, step, cache)
-        slots, fresh = step.slot_ids, ~step.has_prefix
-        # A request's first chunk starts from zero state, whatever its slot's previous owner left there. The SSM
-        # pool is updated in place by the scan, touching only the slots of real sequences (the conv windows are
-        # small enough to gather and scatter).
-        conv0 = jnp.where(fresh[:, None, None], 0, cache.conv[slots]).astype(cache.conv.dtype)
+        # A request's first chunk starts from zero state, whatever its slot's previous owner left there (no prefix:
+        # no initial state). Both pools are updated in place, only on the slots of real sequences.
         # transformers floors dt on prompt tokens only (see forward_packed).
         dt_floor = step.positions < step.token_prompt_lens()
-        out, conv1, ssm = self.forward_packed_pooled(hidden, step.cu_seqlens, conv0, cache.ssm, slots, ~fresh,
-                                                     dt_floor_mask=dt_floor)
-        return out, MambaCache(conv=cache.conv.at[slots].set(conv1.astype(cache.conv.dtype)), ssm=ssm)
+        return self.forward_packed_pooled(hidden, step.cu_seqlens, cache, step.slot_ids, step.has_prefix,
+                                          dt_floor_mask=dt_floor)

@@ -5,7 +5,7 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from pallas_kernels.causal_conv1d import causal_conv1d, causal_conv1d_pooled, causal_conv1d_update
 from tests.numerics import rms_relative_error
 
 IMPLS = ["xla", "pallas"]
@@ -78,6 +78,48 @@ def test_conv_kernel_blocks_across_a_sequence():
     assert rms_relative_error(y, y_ref) < 1e-5
     assert np.array_equal(np.asarray(fin), fin_ref.astype(np.float32))
     assert np.all(np.asarray(y)[40:] == 0)
+
+
+def bits(a):
+    return np.asarray(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("block_t", [None, 4])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pooled_conv_reads_and_writes_only_the_real_slots(impl, block_t):
+    """The engine's extend step: 6 sequence rows over a pool of 7 slots. Rows 0-2 continue from their slots (row 1
+    is one token long, shorter than K-1, so its final state keeps part of the initial one), row 3 is fresh (its slot
+    holds NaN, which must not be read), rows 4 and 5 are padding (empty, on the null slot 0, NaN too); tokens past
+    cu[-1] are bucket padding. The real slots get the rolled states, every other slot keeps its bits, and y equals
+    the unpooled conv from the gathered states. Token blocks of 4 (Pallas) put a sequence over several blocks."""
+    T, Cd, K = 30, 20, 4
+    cu = [0, 9, 10, 17, 25, 25, 25]
+    slots = np.array([2, 5, 1, 6, 0, 0], np.int32)
+    has_init = np.array([True, True, True, False, False, False])
+    rng = np.random.default_rng(7)
+    x, w, b = (rng.standard_normal(sh).astype(np.float32) for sh in ((T, Cd), (Cd, K), (Cd,)))
+    pool = rng.standard_normal((7, Cd, K - 1)).astype(np.float32)
+    pool[0] = pool[6] = np.nan
+    init = np.where(has_init[:, None, None], pool[slots], 0.0)
+    options = dict(impl=impl, interpret=(impl == "pallas"))
+    if block_t is not None:
+        if impl == "xla":
+            pytest.skip("token blocks are a kernel option")
+        from pallas_kernels.causal_conv1d_pallas import causal_conv1d_pooled_pallas as pooled_conv
+        options = dict(interpret=True, block_t=block_t, block_c=16)
+    else:
+        pooled_conv = causal_conv1d_pooled
+    y, new_pool = pooled_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), cu_seqlens=jnp.asarray(cu, jnp.int32),
+                              conv_pool=jnp.asarray(pool), slot_ids=jnp.asarray(slots),
+                              has_initial_state=jnp.asarray(has_init), **options)
+    y_ref, fin_ref = naive_conv(x, w, b, cu, init, "silu")
+    assert rms_relative_error(y, y_ref) < 1e-5
+    assert np.all(np.asarray(y)[cu[-1]:] == 0)
+    new_pool = np.asarray(new_pool)
+    for row in range(4):
+        np.testing.assert_allclose(new_pool[slots[row]], fin_ref[row], rtol=1e-6, atol=1e-6)
+    for slot in (0, 3, 4):  # the null slot and idle slots
+        assert np.array_equal(bits(new_pool[slot]), bits(pool[slot]))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -154,3 +196,25 @@ def test_update_reads_its_columns_of_a_wider_input(impl):
     assert np.array_equal(np.asarray(s_wide)[1:], np.asarray(s_cut)[1:])
     with pytest.raises(ValueError, match="no columns"):
         causal_conv1d_update(wide, state, w, b, x_offset=9, **kw)
+
+
+@pytest.mark.parametrize("states", ["zeros", "given", "pooled"])
+def test_conv_lowers_to_triton(states, cuda_lowering):
+    """The prefill conv lowers to Triton at Nano-9B's conv width (12,288 channels, K = 4, bf16) with each source of
+    states: none, given per sequence, and the slot pool updated in place."""
+    import jax
+
+    T, Cd, K, S = 2048, 12288, 4, 256
+    sds = jax.ShapeDtypeStruct
+    args = [sds((T, Cd), jnp.bfloat16), sds((Cd, K), jnp.bfloat16), sds((Cd,), jnp.bfloat16), sds((S + 1,), jnp.int32)]
+    if states == "pooled":
+        f = jax.jit(lambda x, w, b, cu, pool, slots, flags: causal_conv1d_pooled(
+            x, w, b, cu_seqlens=cu, conv_pool=pool, slot_ids=slots, has_initial_state=flags, impl="pallas"))
+        args += [sds((S + 1, Cd, K - 1), jnp.bfloat16), sds((S,), jnp.int32), sds((S,), jnp.bool_)]
+    elif states == "given":
+        f = jax.jit(lambda x, w, b, cu, init: causal_conv1d(x, w, b, cu_seqlens=cu, initial_states=init,
+                                                            impl="pallas"))
+        args.append(sds((S, Cd, K - 1), jnp.bfloat16))
+    else:
+        f = jax.jit(lambda x, w, b, cu: causal_conv1d(x, w, b, cu_seqlens=cu, impl="pallas"))
+    assert cuda_lowering(f, *args).count("__gpu$xla.gpu.triton") == 1
