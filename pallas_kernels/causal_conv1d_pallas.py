@@ -170,8 +170,15 @@ def _check_kernel_size(weight):
         raise ValueError("the conv kernel needs K >= 2")
 
 
+# Token x channel tile of the prefill conv. H200, Nano-9B's 12,288 channels, one 8192-token sequence, bf16
+# (`bash bench/h200_runs.sh conv_tune`, 2026-12-02): 32 x 128 172 µs, 16 x 256 187, 32 x 256 282, 64 x 256 (the
+# default before) 339, 64 x 128 294, 16 x 512 316; byte floor 95. Narrow tiles hold fewer registers a thread (the K
+# shifted input tiles and the float32 sum), so more programs share an SM and more loads are in flight.
+BLOCK_T, BLOCK_C = 32, 128
+
+
 def causal_conv1d_pallas(x, weight, bias, *, cu_seqlens, initial_states=None, activation="silu", interpret=False,
-                         block_t=64, block_c=256, num_warps=4):
+                         block_t=BLOCK_T, block_c=BLOCK_C, num_warps=4):
     _check_kernel_size(weight)
     block_c = min(block_c, max(16, next_pow2(x.shape[1])))
     return _conv_pallas(x, weight, bias, cu_seqlens, initial_states, None, activation=activation, block_t=block_t,
@@ -179,7 +186,7 @@ def causal_conv1d_pallas(x, weight, bias, *, cu_seqlens, initial_states=None, ac
 
 
 def causal_conv1d_pooled_pallas(x, weight, bias, *, cu_seqlens, conv_pool, slot_ids, has_initial_state,
-                                activation="silu", interpret=False, block_t=64, block_c=256, num_warps=4):
+                                activation="silu", interpret=False, block_t=BLOCK_T, block_c=BLOCK_C, num_warps=4):
     """Kernel entry point of `causal_conv1d.causal_conv1d_pooled`: -> (y, conv_pool updated in place)."""
     _check_kernel_size(weight)
     block_c = min(block_c, max(16, next_pow2(x.shape[1])))
