@@ -598,7 +598,8 @@ def tune_conv(rows):
     floor_us = 2 * x.size * 2 / COPY_BANDWIDTH * 1e6  # x read once, y written once
     # First run (2026-11-30): 64 x 256 on 4 warps best of these five (326 us at 8k, 30% of its byte floor). Second
     # (2026-12-02): narrower token and channel tiles, which hold fewer registers a thread and so more programs an SM.
-    # -> 32 x 128 the default. Pooled rows: the default tile (the pooled kernel's only one).
+    # -> 32 x 128 best (172 us against 339), the default once an engine run confirms it. Pooled rows: the default
+    # tile.
     for v in (dict(block_t=64, block_c=256, num_warps=4), dict(block_t=32, block_c=256, num_warps=4),
               dict(block_t=16, block_c=256, num_warps=4), dict(block_t=32, block_c=128, num_warps=4),
               dict(block_t=64, block_c=128, num_warps=4), dict(block_t=16, block_c=512, num_warps=4),
