@@ -35,7 +35,7 @@ for what in "$@"; do
     spec_profile) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 32 --ks 1 \
         --tokens 16 --profile /tmp/prof_spec 2>&1 | grep -v Warning | tail -80 ;;
     scan_tune) timeout 300 python3 bench/mamba_kernels.py --tune --kernels none --out "$OUT/scan_tune" 2>&1 \
-        | grep "^tune\|FAIL\|pooled" | tail -40 ;;  # Nano-9B's head-dim tiles at 1 and 16 sequences and 1 of 256 rows; the pooled scan at 1 of 1 and 1 of 256
+        | grep "^tune\|FAIL\|pooled" | tail -40 ;;  # Nano-9B's head-dim tiles; the pooled scan at 1 of 1 / 256 rows
     conv_tune) timeout 200 python3 bench/mamba_kernels.py --tune-conv --out "$OUT/conv_tune" 2>&1 \
         | grep "tune conv\|FAIL" | tail -20 ;;  # the prefill conv's tiles at 8k; pooled vs gather/conv/scatter
     scan_seg) python3 bench/mamba_kernels.py --check --kernels scan_seg --out "$OUT" 2>&1 | tail -30 ;;

@@ -6,7 +6,8 @@
 --check    runs the correctness checks on the GPU first (compiled kernels vs XLA references, fp32 and bf16, awkward
            shapes, idle/padding slots bit-identical; the segmented scan too).
 --tune     times Nano-9B's scan head-dim tiles (default, 128, 64 + 16) at T = 2k and 8k for 1 and 16 sequences and one
-           real row of 256 (how the engine packs a prompt), and the prefill conv's tiles, before the table.
+           real row of 256 (how the engine packs a prompt), the pooled scan at one real row of 1 and of 256, and
+           the prefill conv's tiles, before the table.
 --tune-seg searches the segmented scan's options (segment length, head-dim tile, block lengths, load prefetch,
            stages, warps) one at a time for one sequence at T = 8k and 32k, keeping the best of each.
 --tune-span the same search over the one-span scan's options for Nano-9B (which takes that path) at 8k and 32k.
@@ -359,7 +360,8 @@ def tune(rows):
     # default for one sequence on one span. Fourth (scan_tune): prefetch paid everywhere (16 sequences, segmented) ->
     # on by default. Fifth (2026-12-02): the head-dim tile with the narrow last tile (P = 80 as 64 + 16, fewer
     # products than one 128-wide tile padded from 80) against 128 wide, for Nano-9B at 1 and 16 sequences and as the
-    # engine's extend step packs one prompt (1 real row of 256): the rows' count alone picks 128 there today.
+    # engine's extend step packs one prompt (1 real row of 256): the rows' count alone picked 128 there -> 64 + 16 the
+    # default at every row count.
     variants = [{}, dict(block_p=128), dict(block_p=64)]
     key = jax.random.PRNGKey(2)
     sh = SHAPES["nano9b"]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._dispatch import resolve_impl
-from pallas_kernels.packing import pool_rows, token_sequences
+from pallas_kernels.packing import check_pool_index, pool_rows, token_sequences
 
 _ACTS = (None, "silu", "swish")
 
@@ -153,19 +153,17 @@ def causal_conv1d_pooled_xla(x, weight, bias, *, cu_seqlens, conv_pool, slot_ids
 
 
 def causal_conv1d_pooled(x, weight, bias, *, cu_seqlens, conv_pool, slot_ids, has_initial_state, activation="silu",
-                         impl="auto", interpret=False):
+                         impl="auto", interpret=False, **kernel_options):
     """`causal_conv1d` with the conv states in the slot pool: conv_pool[slots, C, K-1], slot_ids int32[S],
     has_initial_state bool[S] -> (y[T, C], conv_pool). Sequence s starts from conv_pool[slot_ids[s]] where
     has_initial_state[s] (else from zeros) and leaves its final state there; empty sequences (padding rows) touch
-    nothing. Donate the pool to update it in place."""
+    nothing. Donate the pool to update it in place. `kernel_options` (block_t, block_c, num_warps) tune the Pallas
+    kernel; the XLA reference ignores them."""
     _check(x.shape[-1], weight, bias)
     _check_activation(activation)
-    S = cu_seqlens.shape[0] - 1
     if conv_pool.ndim != 3 or conv_pool.shape[1:] != (x.shape[1], weight.shape[1] - 1):
         raise ValueError(f"conv_pool must be [slots, {x.shape[1]}, {weight.shape[1] - 1}], got {conv_pool.shape}")
-    if slot_ids.shape != (S,) or has_initial_state.shape != (S,):
-        raise ValueError(f"slot_ids and has_initial_state must be [S]={S}, got {slot_ids.shape} and "
-                         f"{has_initial_state.shape}")
+    check_pool_index(cu_seqlens.shape[0] - 1, slot_ids, has_initial_state)
     which = resolve_impl(impl, interpret, pallas_problem(weight.shape[1]), "causal_conv1d_pooled")
     if which == "xla":
         return causal_conv1d_pooled_xla(x, weight, bias, cu_seqlens=cu_seqlens, conv_pool=conv_pool,
@@ -174,7 +172,7 @@ def causal_conv1d_pooled(x, weight, bias, *, cu_seqlens, conv_pool, slot_ids, ha
 
     return causal_conv1d_pooled_pallas(x, weight, bias, cu_seqlens=cu_seqlens, conv_pool=conv_pool,
                                        slot_ids=slot_ids, has_initial_state=has_initial_state, activation=activation,
-                                       interpret=interpret)
+                                       interpret=interpret, **kernel_options)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias, *, slot_ids, activation="silu", x_offset=0, impl="auto",

@@ -128,8 +128,10 @@ def _conv_pallas(x, weight, bias, cu_seqlens, initial_states, pool_index, *, act
     """Without `pool_index`: `initial_states` None or [S, C, K-1] -> (y, final states [S, C, K-1]). With
     `pool_index` = (slot_ids, has_initial_state), `initial_states` is the slot pool -> (y, the pool updated in
     place)."""
+    _check_kernel_size(weight)
     T, C = x.shape
     K = weight.shape[1]
+    block_c = min(block_c, max(16, next_pow2(C)))
     S = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     tab = aligned_blocks(cu, T, block_t)
@@ -180,8 +182,6 @@ BLOCK_T, BLOCK_C = 64, 256
 
 def causal_conv1d_pallas(x, weight, bias, *, cu_seqlens, initial_states=None, activation="silu", interpret=False,
                          block_t=BLOCK_T, block_c=BLOCK_C, num_warps=4):
-    _check_kernel_size(weight)
-    block_c = min(block_c, max(16, next_pow2(x.shape[1])))
     return _conv_pallas(x, weight, bias, cu_seqlens, initial_states, None, activation=activation, block_t=block_t,
                         block_c=block_c, num_warps=num_warps, interpret=interpret)
 
@@ -189,8 +189,6 @@ def causal_conv1d_pallas(x, weight, bias, *, cu_seqlens, initial_states=None, ac
 def causal_conv1d_pooled_pallas(x, weight, bias, *, cu_seqlens, conv_pool, slot_ids, has_initial_state,
                                 activation="silu", interpret=False, block_t=BLOCK_T, block_c=BLOCK_C, num_warps=4):
     """Kernel entry point of `causal_conv1d.causal_conv1d_pooled`: -> (y, conv_pool updated in place)."""
-    _check_kernel_size(weight)
-    block_c = min(block_c, max(16, next_pow2(x.shape[1])))
     return _conv_pallas(x, weight, bias, cu_seqlens, conv_pool, (slot_ids, has_initial_state), activation=activation,
                         block_t=block_t, block_c=block_c, num_warps=num_warps, interpret=interpret)
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._dispatch import resolve_impl
-from pallas_kernels.packing import aligned_blocks, pool_rows, token_sequences
+from pallas_kernels.packing import aligned_blocks, check_pool_index, pool_rows, token_sequences
 
 _HI = lax.Precision.HIGHEST
 
@@ -83,9 +83,7 @@ def _check_pool(x, B, cu_seqlens, state_pool, slot_ids, has_initial_state):
         raise ValueError(f"state_pool must be [num_slots, {H}, {P}, {N}], got {state_pool.shape}")
     if state_pool.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"state_pool must be float32, bfloat16 or float16, got {state_pool.dtype}")
-    if slot_ids.shape != (S,) or has_initial_state.shape != (S,):
-        raise ValueError(f"slot_ids and has_initial_state must be [S]={S}, got {slot_ids.shape} and "
-                         f"{has_initial_state.shape}")
+    check_pool_index(S, slot_ids, has_initial_state)
 
 
 def _static_dt_limit(dt_limit):

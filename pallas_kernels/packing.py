@@ -118,6 +118,13 @@ def for_each_padding_block(cu_ref, num_tokens: int, block: int, body) -> None:
     lax.fori_loop(0, (num_tokens - padding_start + (block - 1)) // block, step, 0)
 
 
+def check_pool_index(num_seqs: int, slot_ids, has_initial_state) -> None:
+    """The pooled kernels' per-sequence index: slot_ids and has_initial_state, one entry per sequence row."""
+    if slot_ids.shape != (num_seqs,) or has_initial_state.shape != (num_seqs,):
+        raise ValueError(f"slot_ids and has_initial_state must be [S]={num_seqs}, got {slot_ids.shape} and "
+                         f"{has_initial_state.shape}")
+
+
 def pool_rows(cu_seqlens, slot_ids, has_initial_state, num_slots: int):
     """(read_rows, write_rows) int32[S] of the pooled kernels' XLA references: the pool row each sequence reads its
     initial state from and writes its final state to, or the out-of-range row num_slots where it must not touch the

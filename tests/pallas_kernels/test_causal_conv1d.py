@@ -2,6 +2,7 @@
 rolling-state convolution run token by token."""
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -84,9 +85,8 @@ def bits(a):
     return np.asarray(a).view(np.uint8)
 
 
-@pytest.mark.parametrize("block_t", [None, 4])
-@pytest.mark.parametrize("impl", IMPLS)
-def test_pooled_conv_reads_and_writes_only_the_real_slots(impl, block_t):
+@pytest.mark.parametrize("impl, options", [("xla", {}), ("pallas", {}), ("pallas", dict(block_t=4, block_c=16))])
+def test_pooled_conv_reads_and_writes_only_the_real_slots(impl, options):
     """The engine's extend step: 6 sequence rows over a pool of 7 slots. Rows 0-2 continue from their slots (row 1
     is one token long, shorter than K-1, so its final state keeps part of the initial one), row 3 is fresh (its slot
     holds NaN, which must not be read), rows 4 and 5 are padding (empty, on the null slot 0, NaN too); tokens past
@@ -101,17 +101,10 @@ def test_pooled_conv_reads_and_writes_only_the_real_slots(impl, block_t):
     pool = rng.standard_normal((7, Cd, K - 1)).astype(np.float32)
     pool[0] = pool[6] = np.nan
     init = np.where(has_init[:, None, None], pool[slots], 0.0)
-    options = dict(impl=impl, interpret=(impl == "pallas"))
-    if block_t is not None:
-        if impl == "xla":
-            pytest.skip("token blocks are a kernel option")
-        from pallas_kernels.causal_conv1d_pallas import causal_conv1d_pooled_pallas as pooled_conv
-        options = dict(interpret=True, block_t=block_t, block_c=16)
-    else:
-        pooled_conv = causal_conv1d_pooled
-    y, new_pool = pooled_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), cu_seqlens=jnp.asarray(cu, jnp.int32),
-                              conv_pool=jnp.asarray(pool), slot_ids=jnp.asarray(slots),
-                              has_initial_state=jnp.asarray(has_init), **options)
+    y, new_pool = causal_conv1d_pooled(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b),
+                                       cu_seqlens=jnp.asarray(cu, jnp.int32), conv_pool=jnp.asarray(pool),
+                                       slot_ids=jnp.asarray(slots), has_initial_state=jnp.asarray(has_init),
+                                       impl=impl, interpret=(impl == "pallas"), **options)
     y_ref, fin_ref = naive_conv(x, w, b, cu, init, "silu")
     assert rms_relative_error(y, y_ref) < 1e-5
     assert np.all(np.asarray(y)[cu[-1]:] == 0)
@@ -202,8 +195,6 @@ def test_update_reads_its_columns_of_a_wider_input(impl):
 def test_conv_lowers_to_triton(states, cuda_lowering):
     """The prefill conv lowers to Triton at Nano-9B's conv width (12,288 channels, K = 4, bf16) with each source of
     states: none, given per sequence, and the slot pool updated in place."""
-    import jax
-
     T, Cd, K, S = 2048, 12288, 4, 256
     sds = jax.ShapeDtypeStruct
     args = [sds((T, Cd), jnp.bfloat16), sds((Cd, K), jnp.bfloat16), sds((Cd,), jnp.bfloat16), sds((S + 1,), jnp.int32)]
