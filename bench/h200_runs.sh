@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -171,6 +171,16 @@ lts__t_bytes.sum,dram__bytes_read.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.
 sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "$OUT/mla_ncu_metrics.log" 2>&1
         echo "metrics: exit $?"; grep -E "^launch|sparse_mla|Duration|Throughput|Registers|Shared Memory Config|Dynamic Shared|Achieved Occ|Theoretical Occ|Pipe|Stall|Warp Cycles|Issued|Executed Ipc|l1tex__|lts__|dram__|sm__|gpu__|==ERR|==WARN" \
           "$OUT/mla_ncu_sections.log" "$OUT/mla_ncu_metrics.log" | cut -c1-200 | head -150 ;;
+    # The SASS of the same launches with per-instruction counters (ncu's source page): which tensor-core path the
+    # dots took (HGMMA = wgmma, HMMA = mma.sync) and the shared / local memory instructions, counted per launch.
+    mla_sass) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+        export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
+        timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SourceCounters --page source \
+          --print-source sass python3 bench/ncu_sparse_mla.py > "$OUT/mla_sass.log" 2>&1; echo "sass: exit $?"
+        awk '/^launch [0-9]/ {print} /sparse_mla_attention \(/ {k++; print "kernel " k ": " $0}
+          { while (match($0, /(HGMMA|HMMA|LDSM|LDS|STS|LDL|STL|LDGSTS|WARPGROUP|BAR)[A-Z0-9._]*/)) {
+              op = substr($0, RSTART, RLENGTH); sub(/\..*/, "", op); n[k" "op]++; $0 = substr($0, RSTART + RLENGTH) } }
+          END { for (x in n) print "static SASS", x, n[x] }' "$OUT/mla_sass.log" | sort ;;
     mla_small) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --only mla_decode --mla-batches 16,32 \
         --log "$OUT/mla_small.log" 2>&1 | grep -v Warning | grep "B=" | tail -40 ;;
     fp8_models) JAXMODELS_FP8_GPU_PATHS=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 8 \
