@@ -177,10 +177,10 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
         timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SourceCounters --page source \
           --print-source sass python3 bench/ncu_sparse_mla.py > "$OUT/mla_sass.log" 2>&1; echo "sass: exit $?"
-        awk '/^launch [0-9]/ {print} /sparse_mla_attention \(/ {k++; print "kernel " k ": " $0}
-          { while (match($0, /(HGMMA|HMMA|LDSM|LDS|STS|LDL|STL|LDGSTS|WARPGROUP|BAR)[A-Z0-9._]*/)) {
+        awk '/^launch [0-9]/ {print} /^Kernel Name/ {k++}  # one source table a launch, in launch order
+          { while (match($0, /(HGMMA|HMMA|LDSM|LDS|STS|LDL|STL|LDGSTS|WARPGROUP|BAR|SHFL|MUFU)[A-Z0-9._]*/)) {
               op = substr($0, RSTART, RLENGTH); sub(/\..*/, "", op); n[k" "op]++; $0 = substr($0, RSTART + RLENGTH) } }
-          END { for (x in n) print "static SASS", x, n[x] }' "$OUT/mla_sass.log" | sort ;;
+          END { for (x in n) print "launch", x, "instructions:", n[x] }' "$OUT/mla_sass.log" | sort ;;
     mla_small) timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --only mla_decode --mla-batches 16,32 \
         --log "$OUT/mla_small.log" 2>&1 | grep -v Warning | grep "B=" | tail -40 ;;
     fp8_models) JAXMODELS_FP8_GPU_PATHS=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 8 \
