@@ -46,15 +46,19 @@ def _act(v, activation):
 
 
 def _conv_kernel(bseq_ref, bstart_ref, blen_ref, cu_ref, x_ref, w_ref, bias_ref, *rest, NB, T, C, K, BT, BC, states,
-                 activation, row_base):
+                 activation, row_base, x_off, split_at):
     """`states`: "zeros" (no initial states), "given" (init_ref [S, C, K-1] in, fin_ref out) or "pooled" (read from
-    and written to pool_ref[slot_ids[s]] in place, the initial state only where has_initial_state[s])."""
+    and written to pool_ref[slot_ids[s]] in place, the initial state only where has_initial_state[s]). The input is
+    x's columns x_off .. x_off + C; with `split_at` the output is two arrays, columns below it and from it on (BC
+    divides split_at, so a program writes to one of them)."""
+    outputs = 2 if split_at else 1
     if states == "pooled":
-        slot_ref, flag_ref, _, y_ref, pool_ref = rest  # the pool input is aliased to pool_ref
+        slot_ref, flag_ref, _, *y_refs, pool_ref = rest  # the pool input is aliased to pool_ref
     elif states == "given":
-        init_ref, y_ref, fin_ref = rest
+        init_ref, *y_refs, fin_ref = rest
     else:
-        y_ref, fin_ref = rest
+        *y_refs, fin_ref = rest
+    assert len(y_refs) == outputs
     c0 = pl.program_id(0) * BC
     j = pl.program_id(1)
     cmask = (c0 + lax.broadcasted_iota(jnp.int32, (BC,), 0)) < C
@@ -64,6 +68,16 @@ def _conv_kernel(bseq_ref, bstart_ref, blen_ref, cu_ref, x_ref, w_ref, bias_ref,
         if states == "pooled":
             return pool_ref.at[slot_ref[s], pl.ds(c0, BC), jnp.int32(i)]
         return init_ref.at[s, pl.ds(c0, BC), jnp.int32(i)]
+
+    def store_y(t, value, mask):
+        """y rows t .. t + BT of this program's channels, into the output array that holds them."""
+        if not split_at:
+            plgpu.store(y_refs[0].at[pl.ds(row_base + t, BT), pl.ds(c0, BC)], value, mask=mask)
+            return
+        for ref, lo, hi in ((y_refs[0], 0, split_at), (y_refs[1], split_at, C)):
+            @pl.when((c0 >= lo) & (c0 < hi))
+            def _store():
+                plgpu.store(ref.at[pl.ds(row_base + t, BT), pl.ds(c0 - lo, BC)], value, mask=mask)
 
     def final_column(s, i):
         if states == "pooled":
@@ -88,7 +102,7 @@ def _conv_kernel(bseq_ref, bstart_ref, blen_ref, cu_ref, x_ref, w_ref, bias_ref,
         for k in range(K):
             shift = K - 1 - k
             inside = rmask & (base_off + rows >= shift)
-            xs = plgpu.load(x_ref.at[pl.ds(row_base + t0 - shift, BT), pl.ds(c0, BC)],
+            xs = plgpu.load(x_ref.at[pl.ds(row_base + t0 - shift, BT), pl.ds(x_off + c0, BC)],
                             mask=inside[:, None] & cmask[None, :], other=0.0).astype(_f32)
             if states != "zeros":
                 # Row r < shift of a sequence's first block reads init column K-1 + r - shift.
@@ -96,15 +110,14 @@ def _conv_kernel(bseq_ref, bstart_ref, blen_ref, cu_ref, x_ref, w_ref, bias_ref,
                     xs = jnp.where(((rows == r) & first)[:, None], init_cols[K - 1 + r - shift][None, :], xs)
             w = plgpu.load(w_ref.at[pl.ds(c0, BC), jnp.int32(k)], mask=cmask, other=0.0).astype(_f32)
             acc = acc + xs * w[None, :]
-        plgpu.store(y_ref.at[pl.ds(row_base + t0, BT), pl.ds(c0, BC)], _act(acc, activation).astype(y_ref.dtype),
-                    mask=rmask[:, None] & cmask[None, :])
+        store_y(t0, _act(acc, activation).astype(y_refs[0].dtype), rmask[:, None] & cmask[None, :])
         # The sequence's first block also writes its final state: the last K-1 inputs of init ++ x[seq], reaching
         # into the initial state for a sequence shorter than K-1. The same program read that initial state above,
         # with the same [BC] layout, so each thread reads a column before it overwrites it in the pool.
         seq_start, seq_len = cu_ref[s], cu_ref[s + 1] - cu_ref[s]
         for i in range(K - 1):
             u = seq_len - (K - 1) + i  # position in the sequence of final column i (< 0: init column seq_len + i)
-            v = plgpu.load(x_ref.at[row_base + seq_start + u, pl.ds(c0, BC)], mask=cmask & first & (u >= 0),
+            v = plgpu.load(x_ref.at[row_base + seq_start + u, pl.ds(x_off + c0, BC)], mask=cmask & first & (u >= 0),
                            other=0.0).astype(_f32)
             for col in range(K - 1):
                 v = jnp.where((u < 0) & (seq_len + i == col), init_cols[col], v)
@@ -113,48 +126,53 @@ def _conv_kernel(bseq_ref, bstart_ref, blen_ref, cu_ref, x_ref, w_ref, bias_ref,
 
     @pl.when(j == NB)  # tokens past cu[-1] (bucket padding) belong to no sequence: y = 0
     def _zero_tail():
-        zeros = jnp.zeros((BT, BC), y_ref.dtype)
+        zeros = jnp.zeros((BT, BC), y_refs[0].dtype)
 
         def zero_block(t):
-            plgpu.store(y_ref.at[pl.ds(row_base + t, BT), pl.ds(c0, BC)], zeros,
-                        mask=(rows < (T - t))[:, None] & cmask[None, :])
+            store_y(t, zeros, (rows < (T - t))[:, None] & cmask[None, :])
 
         for_each_padding_block(cu_ref, T, BT, zero_block)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_t", "block_c", "num_warps", "interpret"))
-def _conv_pallas(x, weight, bias, cu_seqlens, initial_states, pool_index, *, activation, block_t, block_c, num_warps,
-                 interpret):
+@functools.partial(jax.jit, static_argnames=("activation", "x_offset", "split_at", "block_t", "block_c", "num_warps",
+                                             "interpret"))
+def _conv_pallas(x, weight, bias, cu_seqlens, initial_states, pool_index, *, activation, x_offset, split_at, block_t,
+                 block_c, num_warps, interpret):
     """Without `pool_index`: `initial_states` None or [S, C, K-1] -> (y, final states [S, C, K-1]). With
     `pool_index` = (slot_ids, has_initial_state), `initial_states` is the slot pool -> (y, the pool updated in
-    place)."""
+    place). x's columns x_offset .. x_offset + C are the input; with `split_at`, y is (y[:, :split_at],
+    y[:, split_at:]) as two arrays."""
     _check_kernel_size(weight)
-    T, C = x.shape
-    K = weight.shape[1]
+    T = x.shape[0]
+    C, K = weight.shape
     block_c = min(block_c, max(16, next_pow2(C)))
+    if split_at:  # a channel block on each side of the split, never across it
+        block_c = min(block_c, split_at & -split_at)
     S = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     tab = aligned_blocks(cu, T, block_t)
     NB = tab["seq"].shape[0]
     row_base = K - 1 if interpret else 0
     if row_base:
-        x = jnp.concatenate([jnp.zeros((row_base, C), x.dtype), x], axis=0)
+        x = jnp.concatenate([jnp.zeros((row_base, x.shape[1]), x.dtype), x], axis=0)
     states = "pooled" if pool_index is not None else "given" if initial_states is not None else "zeros"
     kernel = functools.partial(_conv_kernel, NB=NB, T=T, C=C, K=K, BT=block_t, BC=block_c, states=states,
-                               activation=activation, row_base=row_base)
+                               activation=activation, row_base=row_base, x_off=x_offset, split_at=split_at)
     args = [tab["seq"], tab["start"], tab["length"], cu, x, weight, jnp.zeros((C,), _f32) if bias is None else bias]
     if states == "pooled":
         args += [*(a.astype(jnp.int32) for a in pool_index), initial_states]
-        fin_shape, aliases = jax.ShapeDtypeStruct(initial_states.shape, initial_states.dtype), {len(args) - 1: 1}
+        fin_shape = jax.ShapeDtypeStruct(initial_states.shape, initial_states.dtype)
+        aliases = {len(args) - 1: 2 if split_at else 1}
     else:
         fin_dtype = initial_states.dtype if states == "given" else x.dtype
         fin_shape, aliases = jax.ShapeDtypeStruct((S, C, K - 1), fin_dtype), {}
         if states == "given":
             args.append(initial_states)
-    y, fin = pl.pallas_call(
+    widths = (split_at, C - split_at) if split_at else (C,)
+    *ys, fin = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(C, block_c), NB + 1),
-        out_shape=(jax.ShapeDtypeStruct((T + row_base, C), x.dtype), fin_shape),
+        out_shape=(*(jax.ShapeDtypeStruct((T + row_base, w), x.dtype) for w in widths), fin_shape),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -164,7 +182,8 @@ def _conv_pallas(x, weight, bias, cu_seqlens, initial_states, pool_index, *, act
         # An empty sequence has no block, so no program wrote its final state: that is its initial state.
         empty = (cu[1:] == cu[:-1])[:, None, None]
         fin = jnp.where(empty, jnp.zeros((), fin.dtype) if initial_states is None else initial_states, fin)
-    return y[row_base:], fin
+    ys = tuple(y[row_base:] for y in ys)
+    return (ys if split_at else ys[0]), fin
 
 
 def _check_kernel_size(weight):
@@ -179,17 +198,19 @@ def _check_kernel_size(weight):
 BLOCK_T, BLOCK_C = 32, 128
 
 
-def causal_conv1d_pallas(x, weight, bias, *, cu_seqlens, initial_states=None, activation="silu", interpret=False,
-                         block_t=BLOCK_T, block_c=BLOCK_C, num_warps=4):
-    return _conv_pallas(x, weight, bias, cu_seqlens, initial_states, None, activation=activation, block_t=block_t,
-                        block_c=block_c, num_warps=num_warps, interpret=interpret)
+def causal_conv1d_pallas(x, weight, bias, *, cu_seqlens, initial_states=None, activation="silu", x_offset=0,
+                         split_at=None, interpret=False, block_t=BLOCK_T, block_c=BLOCK_C, num_warps=4):
+    return _conv_pallas(x, weight, bias, cu_seqlens, initial_states, None, activation=activation, x_offset=x_offset,
+                        split_at=split_at, block_t=block_t, block_c=block_c, num_warps=num_warps, interpret=interpret)
 
 
 def causal_conv1d_pooled_pallas(x, weight, bias, *, cu_seqlens, conv_pool, slot_ids, has_initial_state,
-                                activation="silu", interpret=False, block_t=BLOCK_T, block_c=BLOCK_C, num_warps=4):
+                                activation="silu", x_offset=0, split_at=None, interpret=False, block_t=BLOCK_T,
+                                block_c=BLOCK_C, num_warps=4):
     """Kernel entry point of `causal_conv1d.causal_conv1d_pooled`: -> (y, conv_pool updated in place)."""
     return _conv_pallas(x, weight, bias, cu_seqlens, conv_pool, (slot_ids, has_initial_state), activation=activation,
-                        block_t=block_t, block_c=block_c, num_warps=num_warps, interpret=interpret)
+                        x_offset=x_offset, split_at=split_at, block_t=block_t, block_c=block_c, num_warps=num_warps,
+                        interpret=interpret)
 
 
 def _update_kernel(slot_ref, x_ref, w_ref, bias_ref, state_in_ref, y_ref, state_ref, *, C, K, BC, activation, x_off):

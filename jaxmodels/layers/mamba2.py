@@ -113,31 +113,35 @@ class Mamba2Mixer(nnx.Module):
     def _packed_scan_inputs(self, hidden, cu_seqlens, conv, dt_floor_mask):
         """in_proj and the causal conv of packed tokens -> (gate z, what the conv returns besides its output (final
         states or the updated pool), the scan's arguments but its states). `conv(xbc, weight, bias, *,
-        cu_seqlens, activation)` is `causal_conv1d` or `causal_conv1d_pooled` with its states bound."""
-        gate, xbc, dt = self._project(hidden)
-        xbc, conv_states = conv(xbc, self.conv1d.weight[...], self._conv_bias(), cu_seqlens=cu_seqlens,
-                                activation="silu")
+        cu_seqlens, activation, x_offset, split_at)` is `causal_conv1d` or `causal_conv1d_pooled` with its states
+        bound."""
+        projected = self.in_proj(hidden)
+        gate, _, dt = self._split_projection(projected)
+        # The conv reads its x‖B‖C columns of the projection in place and writes x and B‖C as two arrays, as the scan
+        # takes them: slices around the kernels would be copy kernels on the GPU (see causal_conv1d's "Packed
+        # columns").
+        (x, bc), conv_states = conv(projected, self.conv1d.weight[...], self._conv_bias(), cu_seqlens=cu_seqlens,
+                                    activation="silu", x_offset=self.intermediate, split_at=self.intermediate)
         dt_args = dict(dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=(self.time_step_min, math.inf))
         if dt_floor_mask is not None:
             dt = self._softplus_dt(dt)
             dt = jnp.where(dt_floor_mask[:, None], jnp.maximum(dt, self.time_step_min), dt)
             dt_args = dict(dt_bias=None, dt_softplus=False, dt_limit=None)
-        x, B, C = self._split_xbc(xbc)
+        x, B, C = self._scan_operands(x, bc)
         return gate, conv_states, dict(x=x, dt=dt, A=self._A(), B=B, C=C, D=self.D[...], cu_seqlens=cu_seqlens,
                                        chunk_size=self.chunk_size, **dt_args)
 
-    def _project(self, hidden: jax.Array):
-        """in_proj split into the gate z, the conv input x‖B‖C and the raw dt."""
-        projected = self.in_proj(hidden)
+    def _split_projection(self, projected: jax.Array):
+        """in_proj's output split into the gate z, the conv input x‖B‖C and the raw dt."""
         return jnp.split(projected, [self.intermediate, self.intermediate + self.conv_dim], axis=-1)
 
     def _conv_bias(self):
         return None if self.conv1d.bias is None else self.conv1d.bias[...]
 
-    def _split_xbc(self, xbc: jax.Array):
-        """Conv output [n, C] -> x [n, H, P], B and C [n, G, N]."""
-        n = xbc.shape[0]
-        x, B, C = jnp.split(xbc, [self.intermediate, self.intermediate + self.n_groups * self.state_size], axis=-1)
+    def _scan_operands(self, x: jax.Array, bc: jax.Array):
+        """Conv output, x [n, H*P] and B‖C [n, 2*G*N] -> x [n, H, P], B and C [n, G, N]."""
+        n = x.shape[0]
+        B, C = jnp.split(bc, 2, axis=-1)
         return (x.reshape(n, self.num_heads, self.head_dim), B.reshape(n, self.n_groups, self.state_size),
                 C.reshape(n, self.n_groups, self.state_size))
 
@@ -177,12 +181,13 @@ class Mamba2Mixer(nnx.Module):
         dt has no `time_step_min` floor (as in `forward_decode`)."""
         slots, num_seqs = step.slot_ids, step.num_seqs
         length = hidden.shape[0] // num_seqs
-        gate, xbc_in, dt = self._project(hidden)
+        gate, xbc_in, dt = self._split_projection(self.in_proj(hidden))
         inputs = xbc_in.reshape(num_seqs, length, self.conv_dim).transpose(0, 2, 1).astype(cache.conv.dtype)
         window = jnp.concatenate([cache.conv[slots], inputs], axis=2)
         xbc = pallas_kernels.causal_conv1d_windows(window, self.conv1d.weight[...], self._conv_bias(),
                                                    activation="silu")
-        x, B, C = self._split_xbc(xbc.reshape(num_seqs * length, self.conv_dim).astype(xbc_in.dtype))
+        xbc = xbc.reshape(num_seqs * length, self.conv_dim).astype(xbc_in.dtype)
+        x, B, C = self._scan_operands(xbc[:, :self.intermediate], xbc[:, self.intermediate:])
         # The scan reads each slot's state in place and writes nothing back (the pool comes back as it was).
         y, ssm = pallas_kernels.ssd_chunk_scan_pooled(
             x, dt, self._A(), B, C, D=self.D[...], dt_bias=self.dt_bias[...], cu_seqlens=step.cu_seqlens,

@@ -191,6 +191,38 @@ def test_update_reads_its_columns_of_a_wider_input(impl):
         causal_conv1d_update(wide, state, w, b, x_offset=9, **kw)
 
 
+@pytest.mark.parametrize("impl, options", [("xla", {}), ("pallas", {}), ("pallas", dict(block_t=4, block_c=16))])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_prefill_conv_reads_columns_of_a_wider_input_and_splits_its_output(impl, options, pooled):
+    """x_offset and split_at (how Mamba2 calls it: the x‖B‖C columns of its projection in, x and B‖C out) give the
+    conv of the sliced input, split, bit for bit; also where the split is no multiple of the channel block (12 =
+    8 + 4: the kernel narrows its blocks to 4) and with sequences over several token blocks."""
+    T, Cd, K, off, split = 30, 20, 4, 5, 12
+    cu = jnp.asarray([0, 9, 10, 17, 25, 25], jnp.int32)
+    rng = np.random.default_rng(13)
+    wide = jnp.asarray(rng.standard_normal((T, off + Cd + 3)), jnp.float32)
+    w, b = (jnp.asarray(rng.standard_normal(sh), jnp.float32) for sh in ((Cd, K), (Cd,)))
+    states = jnp.asarray(rng.standard_normal((6 if pooled else 5, Cd, K - 1)), jnp.float32)
+    kw = dict(impl=impl, interpret=(impl == "pallas"), **options)
+    if pooled:
+        pool_kw = dict(slot_ids=jnp.asarray([2, 5, 1, 3, 0], jnp.int32),
+                       has_initial_state=jnp.asarray([True, True, False, True, False]))
+        conv = lambda x, **more: causal_conv1d_pooled(x, w, b, cu_seqlens=cu, conv_pool=jnp.array(states),  # noqa: E731
+                                                      **pool_kw, **kw, **more)
+    else:
+        conv = lambda x, **more: causal_conv1d(x, w, b, cu_seqlens=cu, initial_states=states, **kw,  # noqa: E731
+                                               **more)
+    (y_x, y_bc), states_wide = conv(wide, x_offset=off, split_at=split)
+    y_cut, states_cut = conv(wide[:, off:off + Cd])
+    assert y_x.shape == (T, split) and y_bc.shape == (T, Cd - split)
+    assert np.array_equal(np.concatenate([y_x, y_bc], axis=1), np.asarray(y_cut))
+    assert np.array_equal(np.asarray(states_wide), np.asarray(states_cut))
+    with pytest.raises(ValueError, match="no columns"):
+        conv(wide, x_offset=9)
+    with pytest.raises(ValueError, match="split_at"):
+        conv(wide[:, off:off + Cd], split_at=Cd)
+
+
 @pytest.mark.parametrize("states", ["zeros", "given", "pooled"])
 def test_conv_lowers_to_triton(states, cuda_lowering):
     """The prefill conv lowers to Triton at Nano-9B's conv width (12,288 channels, K = 4, bf16) with each source of
@@ -198,9 +230,11 @@ def test_conv_lowers_to_triton(states, cuda_lowering):
     T, Cd, K, S = 2048, 12288, 4, 256
     sds = jax.ShapeDtypeStruct
     args = [sds((T, Cd), jnp.bfloat16), sds((Cd, K), jnp.bfloat16), sds((Cd,), jnp.bfloat16), sds((S + 1,), jnp.int32)]
-    if states == "pooled":
+    if states == "pooled":  # as Mamba2 calls it: the x‖B‖C columns of the projection in, x and B‖C out
         f = jax.jit(lambda x, w, b, cu, pool, slots, flags: causal_conv1d_pooled(
-            x, w, b, cu_seqlens=cu, conv_pool=pool, slot_ids=slots, has_initial_state=flags, impl="pallas"))
+            x, w, b, cu_seqlens=cu, conv_pool=pool, slot_ids=slots, has_initial_state=flags, impl="pallas",
+            x_offset=10240, split_at=10240))
+        args[0] = sds((T, 10240 + Cd + 128), jnp.bfloat16)
         args += [sds((S + 1, Cd, K - 1), jnp.bfloat16), sds((S,), jnp.int32), sds((S,), jnp.bool_)]
     elif states == "given":
         f = jax.jit(lambda x, w, b, cu, init: causal_conv1d(x, w, b, cu_seqlens=cu, initial_states=init,
