@@ -178,9 +178,7 @@ def check_sparse_mla():
     cache = jax.random.normal(ks[1], (rows // 64, 64, 576)).astype(jnp.bfloat16)
     idx = jax.random.randint(ks[2], (T, k), 0, rows).astype(jnp.int32)
     idx = idx.at[1, 100:].set(-1).at[2].set(-1).at[3, ::2].set(-1)
-    for opts in [dict(), OLD_MLA, dict(num_splits=8), dict(num_splits=2, block_h=64, num_warps=8),
-                 dict(keys_as_rows=True, block_k=64, num_stages=3),
-                 dict(keys_as_rows=True, block_h=64, num_warps=8, block_k=64, num_stages=2)]:
+    for opts in [dict(), OLD_MLA, dict(num_splits=8), dict(num_splits=2, block_h=64, num_warps=8)]:
         got = jax.jit(lambda *a: sparse_mla_attention_pallas(*a, scale=576 ** -0.5, **opts))(q, cache, idx)
         ref = sparse_mla_attention_reference(q.astype(jnp.float32), cache.astype(jnp.float32), idx, scale=576 ** -0.5)
         e = rel_err(got.astype(jnp.float32), ref)
@@ -343,11 +341,10 @@ def mla_variants(B, listed, quick):
     # heads on a quarter of the columns asked for 288 KB of shared memory (the H200 has 227). Value columns gathered
     # a second time for P @ V (a load per dot; reverted) lost too (2026-12-02 16:38 UTC, B=128: 32 heads 0.462 ms,
     # 64 heads on 8 warps 0.493-0.754, against 0.309; 64 heads without them 0.359).
-    # keys_as_rows: the transposed products, keys as the dots' M (wgmma on Hopper at 32 heads too).
-    keys = [dict(keys_as_rows=True, block_k=64, num_stages=n, num_splits=s) for n in (2, 3) for s in (1, 2)] + [
-        dict(keys_as_rows=True, block_h=64, num_warps=8, block_k=64, num_stages=n) for n in (2, 3)] + [
-        dict(keys_as_rows=True, block_k=32, num_stages=3), dict(keys_as_rows=True, block_k=128, num_stages=1)]
-    return [OLD_MLA, dict()] + keys + [dict(num_splits=n) for n in splits] + [
+    # The transposed products (scores [keys, heads], accumulator [512, heads]: keys as the dots' M, so that wgmma
+    # could take 32-head tiles with the query block read from shared memory once per warpgroup; reverted) lost too
+    # (2026-12-03 05:55 UTC, B=128: 0.415-0.503 ms over 32 / 64 heads, 32-128-row gathers, against 0.310).
+    return [OLD_MLA, dict()] + [dict(num_splits=n) for n in splits] + [
         dict(num_stages=2), dict(block_k=32, num_stages=3), dict(block_k=64, num_stages=2)] + [
         dict(block_k=64, num_stages=3, num_splits=n) for n in splits]
 

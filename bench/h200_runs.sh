@@ -160,11 +160,11 @@ for what in "$@"; do
     # L2 and tensor-pipe metrics; one buffer per allocation and no CUDA graphs, so each launch replays on its own.
     mla_ncu) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
-        timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 5 --section SpeedOfLight \
+        timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SpeedOfLight \
           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section LaunchStats --section Occupancy --section InstructionStats python3 bench/ncu_sparse_mla.py \
           > "$OUT/mla_ncu_sections.log" 2>&1; echo "sections: exit $?"
-        timeout 150 "$ncu" --kernel-name regex:sparse_mla --launch-count 5 --metrics \
+        timeout 150 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --metrics \
           l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,\
 l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,\
 lts__t_bytes.sum,dram__bytes_read.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,\
@@ -175,7 +175,7 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "
     # dots took (HGMMA = wgmma, HMMA = mma.sync) and the shared / local memory instructions, counted per launch.
     mla_sass) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
-        timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 5 --section SourceCounters --page source \
+        timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SourceCounters --page source \
           --print-source sass python3 bench/ncu_sparse_mla.py > "$OUT/mla_sass.log" 2>&1; echo "sass: exit $?"
         awk '/^launch [0-9]/ {print} /^Kernel Name/ {k++}  # one source table a launch, in launch order
           { while (match($0, /(HGMMA|HMMA|LDSM|LDS|STS|LDL|STL|LDGSTS|WARPGROUP|BAR|SHFL|MUFU)[A-Z0-9._]*/)) {

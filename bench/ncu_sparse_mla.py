@@ -19,8 +19,6 @@ VARIANTS = [
     dict(),  # the defaults at B = 128: 32 heads on 4 warps, 64-row gathers, 3 stages (mma.sync)
     dict(block_h=64, num_warps=8, block_k=64, num_stages=2),  # the 64-head tile on two warpgroups (wgmma)
     dict(block_k=32, num_stages=1, num_splits=1),  # the small decode tiles
-    dict(keys_as_rows=True, block_k=64, num_stages=3),  # transposed products: wgmma at 32 heads
-    dict(keys_as_rows=True, block_h=64, num_warps=8, block_k=64, num_stages=2),  # the same on 64 heads
 ]
 
 

@@ -64,7 +64,7 @@ def sparse_mla_attention_reference(q, latent_cache, indices, *, scale: float, kv
     return out.astype(q.dtype)
 
 
-def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_len, trim, counted, keys_as_rows):
+def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_len, trim, counted):
     count_ref, q_ref, kv_ref, *out_refs = refs if counted else (None, *refs)
     h0 = pl.program_id(0) * block_h
     split = pl.program_id(1)
@@ -74,12 +74,7 @@ def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_le
     q_rope = q_ref[t, pl.ds(h0, block_h), pl.ds(dl, dr)]
     cols_l = jnp.arange(dl)[None, :]
     cols_r = dl + jnp.arange(dr)[None, :]
-    nt = (((1,), (1,)), ((), ()))  # a @ b.T
-    nn = (((1,), (0,)), ((), ()))  # a @ b
-    tn = (((0,), (0,)), ((), ()))  # a.T @ b
-
-    def dot(a, b, dims):
-        return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=dot_precision(a.dtype))
+    nt = (((1,), (1,)), ((), ()))  # contract the feature dim of both: q @ k.T
 
     def body(c, carry):
         m, l, acc = carry
@@ -88,23 +83,19 @@ def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_le
         rows = jnp.where(valid, idx, 0)[:, None]
         kv = plgpu.load(kv_ref.at[rows, cols_l])  # [BK, Dl] gathered latent rows
         kr = plgpu.load(kv_ref.at[rows, cols_r])  # [BK, Dr]
-        if keys_as_rows:  # scores [BK, BH], accumulator [Dl, BH]: heads are the dots' N dimension
-            s = dot(kv, q_nope, nt) + dot(kr, q_rope, nt)
-            s = jnp.where(valid[:, None], s * scale, -jnp.inf)
-            head_axis = 1
-        else:  # scores [BH, BK], accumulator [BH, Dl]
-            s = dot(q_nope, kv, nt) + dot(q_rope, kr, nt)
-            s = jnp.where(valid[None, :], s * scale, -jnp.inf)
-            head_axis = 0
-        key_axis = 1 - head_axis
-        m_new = jnp.maximum(m, jnp.max(s, axis=key_axis))
+        s = lax.dot_general(q_nope, kv, nt, preferred_element_type=jnp.float32, precision=dot_precision(kv.dtype))
+        s = s + lax.dot_general(q_rope, kr, nt, preferred_element_type=jnp.float32,
+                                precision=dot_precision(kr.dtype))
+        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # Keep exp() finite while every key seen so far is masked (m_new = -inf).
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - jnp.expand_dims(m_safe, key_axis))
-        l = l * alpha + jnp.sum(p, axis=key_axis)
-        pv = dot(kv, p.astype(kv.dtype), tn) if keys_as_rows else dot(p.astype(kv.dtype), kv, nn)
-        return m_new, l, acc * jnp.expand_dims(alpha, key_axis) + pv
+        p = jnp.exp(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32,
+                                             precision=dot_precision(kv.dtype))
+        return m_new, l, acc
 
     if counted:
         # The list's first `listed` entries are its keys: walk the chunks of this split that hold any.
@@ -119,10 +110,8 @@ def _sparse_mla_kernel(idx_ref, *refs, scale, dl, dr, block_h, block_k, split_le
     else:
         n_chunks = split_len // block_k
     init = (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32),
-            jnp.zeros((dl, block_h) if keys_as_rows else (block_h, dl), jnp.float32))
+            jnp.zeros((block_h, dl), jnp.float32))
     m, l, acc = lax.fori_loop(0, n_chunks, body, init)
-    if keys_as_rows:
-        acc = acc.T
     some = l > 0
     out = jnp.where(some[:, None], acc / jnp.where(some, l, 1.0)[:, None], 0.0)
     if len(out_refs) == 1:  # the whole list in one program: the output itself
@@ -178,15 +167,10 @@ def default_tiles(num_queries: int, dtype, *, heads: int, topk: int, block_h: in
 def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512,
                                 listed=None, block_h: int = 32, block_k: int | None = None, num_warps: int = 4,
                                 num_stages: int | None = None, num_splits: int | None = None,
-                                trim: bool | None = None, keys_as_rows: bool = False, interpret: bool = False):
+                                trim: bool | None = None, interpret: bool = False):
     """Grid (head blocks, splits of the top-k list, queries); options left None take `default_tiles`. With
     `listed` (see `sparse_mla_attention`) a program walks only the chunks that hold listed keys, and `trim` is
-    moot.
-
-    `keys_as_rows` computes the transposed products (scores [BK, BH], accumulator [Dl, BH]): the keys are the dots'
-    M dimension, so a 64-row gather gives both dots M >= 64, which Hopper's wgmma needs, with the query block and P
-    as operands read from shared memory once per warpgroup, where the [BH, BK] form runs 32-head tiles on mma.sync
-    with every warp re-reading the query block from shared memory each step."""
+    moot."""
     T, H, D = q.shape
     topk = indices.shape[1]
     block_h = min(block_h, H)
@@ -205,8 +189,7 @@ def sparse_mla_attention_pallas(q, latent_cache, indices, *, scale: float, kv_lo
     flat = latent_cache.reshape(-1, D)
     indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, num_splits * split_len - topk)), constant_values=-1)
     kernel = functools.partial(_sparse_mla_kernel, scale=float(scale), dl=dl, dr=dr, block_h=block_h,
-                               block_k=block_k, split_len=split_len, trim=trim, counted=listed is not None,
-                               keys_as_rows=keys_as_rows)
+                               block_k=block_k, split_len=split_len, trim=trim, counted=listed is not None)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((T, H, dl), q.dtype)
     else:

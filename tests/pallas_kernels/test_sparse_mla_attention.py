@@ -42,8 +42,7 @@ def _problem(key, T=4, H=4, dl=32, dr=16, num_pages=6, page_size=8, topk=20):
     return q, cache, jnp.asarray(idx, jnp.int32)
 
 
-@pytest.mark.parametrize("keys_as_rows", [False, True])
-def test_sparse_mla_matches_dense_masked_attention(keys_as_rows):
+def test_sparse_mla_matches_dense_masked_attention():
     dl, scale = 32, 0.2
     q, cache, idx = _problem(jax.random.key(0), dl=dl)
     want = dense_masked_attention(q, cache, idx, scale, dl)
@@ -51,14 +50,13 @@ def test_sparse_mla_matches_dense_masked_attention(keys_as_rows):
     np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-5)
     # block_k=8 over topk=20: the kernel pads the index list to 24 with -1.
     got = sparse_mla_attention(q, cache, idx, scale=scale, kv_lora_rank=dl, impl="pallas", interpret=True,
-                               block_h=2, block_k=8, keys_as_rows=keys_as_rows)
+                               block_h=2, block_k=8)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[2] == 0)
 
 
-@pytest.mark.parametrize("num_splits,trim,keys_as_rows", [(2, True, False), (4, True, False), (3, False, False),
-                                                          (1, True, False), (3, False, True), (2, True, True)])
-def test_split_decode_matches_dense_masked_attention(num_splits, trim, keys_as_rows):
+@pytest.mark.parametrize("num_splits,trim", [(2, True), (4, True), (3, False), (1, True)])
+def test_split_decode_matches_dense_masked_attention(num_splits, trim):
     """The top-k list split over programs (flash-decoding), partial softmax states combined after: splits past a
     row's last key are empty (row 1), a row with no key gives zeros (row 2), holes (row 3); topk 20 is not a
     multiple of the splits' lengths (8 with trimming, a power of two; 8 then 8 then 8 without)."""
@@ -66,7 +64,7 @@ def test_split_decode_matches_dense_masked_attention(num_splits, trim, keys_as_r
     q, cache, idx = _problem(jax.random.key(4), dl=dl)
     want = dense_masked_attention(q, cache, idx, scale, dl)
     got = sparse_mla_attention(q, cache, idx, scale=scale, kv_lora_rank=dl, impl="pallas", interpret=True,
-                               block_h=2, block_k=4, num_splits=num_splits, trim=trim, keys_as_rows=keys_as_rows)
+                               block_h=2, block_k=4, num_splits=num_splits, trim=trim)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[2] == 0)
 
@@ -134,8 +132,7 @@ def test_logical_to_cache_rows():
 def test_sparse_mla_lowers_to_triton(cuda_lowering):
     S = jax.ShapeDtypeStruct
     for options in [dict(), dict(num_splits=8), dict(num_splits=4, block_h=64, num_warps=8, num_stages=2),
-                    dict(num_splits=1, trim=False, block_k=64, num_stages=3),
-                    dict(num_splits=1, trim=False, block_k=64, num_stages=3, keys_as_rows=True)]:
+                    dict(num_splits=1, trim=False, block_k=64, num_stages=3)]:
         cuda_lowering(jax.jit(lambda q, c, i: sparse_mla_attention(q, c, i, scale=0.1, impl="pallas", **options)),
                       S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32))
     cuda_lowering(jax.jit(lambda q, c, i, n: sparse_mla_attention(q, c, i, scale=0.1, listed=n, impl="pallas")),
@@ -148,10 +145,8 @@ def test_sparse_mla_on_gpu():
     q, cache, idx = _problem(jax.random.key(2), T=4, H=128, dl=512, dr=64, num_pages=64, page_size=64, topk=2048)
     qb, cb = q.astype(jnp.bfloat16), cache.astype(jnp.bfloat16)
     want = dense_masked_attention(qb.astype(jnp.float32), cb.astype(jnp.float32), idx, 0.04, 512)
-    for options in [dict(), dict(keys_as_rows=True, block_k=64, num_stages=3),
-                    dict(keys_as_rows=True, block_h=64, num_warps=8, block_k=64, num_stages=2)]:
-        got = sparse_mla_attention(qb, cb, idx, scale=0.04, impl="pallas", **options)
-        assert rms_relative_error(got, want) < 2e-2, options
+    got = sparse_mla_attention(qb, cb, idx, scale=0.04, impl="pallas")
+    assert rms_relative_error(got, want) < 2e-2
 
 
 def test_prefill_tiles_only_for_16_bit_chunks():
