@@ -17,7 +17,7 @@ the null slot of padded requests (written with garbage, never another slot); slo
 Arithmetic in float32; y in x's dtype; conv states keep their own dtype (prefill final states in x's dtype).
 `activation` is "silu" (also accepted: "swish") or None.
 
-Packed columns: every entry point takes `x_offset`, x being wider than the conv (C = weight.shape[0]) with its
+Packed columns: the prefill and decode entry points take `x_offset`, x being wider than the conv (C = weight.shape[0]) with its
 columns x_offset .. x_offset + C the input, and the prefill ones `split_at`, y then being two arrays, y[:, :split_at]
 and y[:, split_at:]. Mamba2 convolves the x‖B‖C columns of its in-projection and hands x and B‖C to the scan as
 separate operands; on the GPU the slices around the kernel would each be a copy kernel (two a layer, 2.5% of

@@ -51,14 +51,13 @@ def _conv_kernel(bseq_ref, bstart_ref, blen_ref, cu_ref, x_ref, w_ref, bias_ref,
     and written to pool_ref[slot_ids[s]] in place, the initial state only where has_initial_state[s]). The input is
     x's columns x_off .. x_off + C; with `split_at` the output is two arrays, columns below it and from it on (BC
     divides split_at, so a program writes to one of them)."""
-    outputs = 2 if split_at else 1
     if states == "pooled":
         slot_ref, flag_ref, _, *y_refs, pool_ref = rest  # the pool input is aliased to pool_ref
     elif states == "given":
         init_ref, *y_refs, fin_ref = rest
     else:
         *y_refs, fin_ref = rest
-    assert len(y_refs) == outputs
+    assert len(y_refs) == (2 if split_at else 1)
     c0 = pl.program_id(0) * BC
     j = pl.program_id(1)
     cmask = (c0 + lax.broadcasted_iota(jnp.int32, (BC,), 0)) < C

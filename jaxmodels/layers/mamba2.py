@@ -112,7 +112,7 @@ class Mamba2Mixer(nnx.Module):
 
     def _packed_scan_inputs(self, hidden, cu_seqlens, conv, dt_floor_mask):
         """in_proj and the causal conv of packed tokens -> (gate z, what the conv returns besides its output (final
-        states or the updated pool), the scan's arguments but its states). `conv(xbc, weight, bias, *,
+        states or the updated pool), the scan's arguments but its states). `conv(projected, weight, bias, *,
         cu_seqlens, activation, x_offset, split_at)` is `causal_conv1d` or `causal_conv1d_pooled` with its states
         bound."""
         projected = self.in_proj(hidden)
