@@ -38,11 +38,11 @@ def main() -> None:
         raw = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
     model = random_model(raw, "bfloat16")
     llm = jaxmodels.LLM(None, model=model, dtype="bfloat16", max_batch_size=args.batch, max_seq_len=512,
-                        decode_sizes=[args.batch], prefill_sizes=[256], progress=False,
+                        decode_sizes=[args.batch], prefill_sizes=[256], progress=False, warmup="all",
                         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     runner = llm.engine.runner
     forward = runner._executable((StepKind.DECODE, args.batch))
-    batch, _ = decode_batch([], args.batch, runner._example_tables)
+    batch, _ = decode_batch([], args.batch, runner.programs.example_tables)
     resident = jax.device_put(batch)
 
     def launch_times(make_batch) -> list[float]:

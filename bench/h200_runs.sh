@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_30b|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -226,6 +226,22 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "
     fusions_bench) switch_bench JAXMODELS_DECODE_FUSIONS fusions ;;
     # The persistent compilation cache (jaxmodels/compilation_cache.py): the same bench started twice on one cache
     # directory, the warm-up time of each ("buckets compiled in"), and the decode figures (the same programs).
+    # Issue 44: the padding cost of bucket lists (decode steps and prefills at each size, both Nemotron-H classes),
+    # then a new user's start: cold, then warm from the compilation cache in a new process, with the serving run
+    # during and after the background compilation; the real-size checkpoint's load.
+    start_padding) for config in nemotron_h_nano30b_a3b nemotron_h_nano9b; do
+          timeout 280 python3 bench/startup.py padding --no-progress --config "bench/configs/$config.json" \
+            --json "$OUT/padding_$config.json" > "$OUT/padding_$config.log" 2>&1; echo "exit $?"
+          grep -B2 -A30 "^### padding" "$OUT/padding_$config.log"; done ;;
+    start_30b) rm -rf /tmp/startcache; for run in cold warm; do echo "--- $run"
+          timeout 280 python3 bench/startup.py start --no-progress --compilation-cache /tmp/startcache \
+            --config bench/configs/nemotron_h_nano30b_a3b.json $([ $run = warm ] && echo --serve 0) \
+            --json "$OUT/start_30b_$run.json" > "$OUT/start_30b_$run.log" 2>&1; echo "exit $?"
+          grep -A12 "^### start" "$OUT/start_30b_$run.log"; done ;;
+    start_9b) timeout 280 python3 bench/startup.py start --no-progress --config bench/configs/nemotron_h_nano9b.json \
+          --json "$OUT/start_9b.json" > "$OUT/start_9b.log" 2>&1; echo "exit $?"; grep -A12 "^### start" "$OUT/start_9b.log"
+        timeout 250 python3 bench/startup.py load --no-progress --config bench/configs/nemotron_h_nano9b.json \
+          --checkpoint /tmp/nano9b_ckpt 2>&1 | tail -3 ;;
     compile_cache) rm -rf /tmp/jaxcache; for run in cold warm; do echo "--- $run start"
           timeout 250 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \
             --phases decode --batches 1,8 --decode-steps 16 --compilation-cache /tmp/jaxcache 2>&1 \

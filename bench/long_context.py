@@ -123,8 +123,9 @@ def profile_decode_at_batch(llm, batch: int, context: int, directory: str, steps
 
 
 def build_engine(raw: dict, args, max_seq_len: int, prefill_chunk: int, warmup: bool = True):
-    """(LLM on a random model of `raw` with pools for `--batch` requests of max_seq_len, its ModelCosts); without
-    `warmup` each executable compiles when first used (timed steps start after warm steps, so that stays out)."""
+    """(LLM on a random model of `raw` with pools for `--batch` requests of max_seq_len, its ModelCosts); with
+    `warmup` every bucket compiles before timing, without it each executable compiles when first used (timed steps
+    start after warm steps, so that stays out)."""
     import jaxmodels
     from jaxmodels.nnx_params import model_params
 
@@ -133,8 +134,8 @@ def build_engine(raw: dict, args, max_seq_len: int, prefill_chunk: int, warmup: 
     start = time.perf_counter()
     llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, max_batch_size=args.batch, max_seq_len=max_seq_len,
                         prefill_sizes=[prefill_chunk], decode_sizes=sorted({1, args.batch}),
-                        num_pages=1 + args.batch * -(-max_seq_len // 16), progress=False, warmup=warmup,
-                        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+                        num_pages=1 + args.batch * -(-max_seq_len // 16), progress=False,
+                        warmup="all" if warmup else False, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     print(f"engine for {args.batch} x {max_seq_len} tokens, prefill chunks of {prefill_chunk}, compiled in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
     return llm, costs

@@ -62,7 +62,7 @@ def per_token_ms(model, k: int, args, vocab: int, profile: str | None = None) ->
     llm = jaxmodels.LLM(None, model=model, max_batch_size=max(args.batches),
                         max_seq_len=args.prompt_len + args.tokens + 32, decode_sizes=sorted(args.batches),
                         prefill_sizes=[min(max(args.batches) * args.prompt_len, 2048)], num_speculative_tokens=k,
-                        progress=False)
+                        progress=False, warmup="all")
     rows = []
     for batch in args.batches:
         prompts = rng.integers(3, vocab, size=(batch, args.prompt_len)).tolist()

@@ -39,7 +39,7 @@ def serve(args) -> None:
     if jax.process_count() > 1:
         raise SystemExit("serve runs on one host; a multi-host job can run generate and bench")
     try:
-        from jaxmodels.serve.server import load_app, serve_forever
+        from jaxmodels.serve.server import load_app, serve_forever, stop_process
     except ImportError as e:
         raise SystemExit(f"serve needs the [serve] extra (pip install 'jaxmodels[serve]'): {e}")
     from jaxmodels.hub import resolve_model_path
@@ -48,14 +48,23 @@ def serve(args) -> None:
         model_dir = resolve_model_path(args.model)
     except FileNotFoundError as e:
         raise SystemExit(f"error: {e}")
-    app = load_app(model_dir, model_name=args.served_model_name or args.model,
+    failures = []
+
+    def failed(message: str) -> None:
+        failures.append(message)
+        stop_process(message)
+
+    # The server answers at once (/health: 503 "loading") and serves once the model is loaded.
+    app = load_app(model_dir, model_name=args.served_model_name or args.model, on_load_failure=failed,
                    max_queued_requests=args.max_queued_requests, dtype=args.dtype,
                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dp=args.dp, tp=args.tp,
-                   max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup,
+                   max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup,
                    num_speculative_tokens=args.num_speculative_tokens,
                    quantization=args.quantization, memory_fraction=args.memory_fraction,
                    mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, compilation_cache_dir=args.compilation_cache)
     serve_forever(app, args.host, args.port)
+    if failures:
+        raise SystemExit(f"error: the model failed to load: {failures[0]}")
 
 
 def main(argv=None) -> None:
@@ -110,8 +119,11 @@ def main(argv=None) -> None:
                      help="requests held beyond the running batch; past that, new ones get 503")
     srv.add_argument("--mamba-ssm-cache-dtype", choices=["float32", "bfloat16"], default=None, help=SSM_STATE_HELP)
     srv.add_argument("--compilation-cache", default=None, metavar="DIR", help=CACHE_HELP)
-    srv.add_argument("--no-warmup", action="store_true",
-                     help="compile buckets on first use instead of at start (faster start, slower first requests)")
+    srv.add_argument("--warmup", choices=["background", "all", "none"], default="background",
+                     help="background (default): serve once the largest prefill and decode buckets are compiled, the "
+                          "others compiling meanwhile; all: compile every bucket first; none: compile each on first "
+                          "use (slow first requests)")
+    srv.add_argument("--no-warmup", dest="warmup", action="store_const", const="none", help="the same as --warmup none")
     args = parser.parse_args(argv)
     # The engine logs its pool sizes and warm-up at INFO; show those (and nothing of other libraries' INFO).
     logging.basicConfig(format="%(message)s")

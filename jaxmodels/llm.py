@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import time
 
 import jax.numpy as jnp
 
@@ -42,7 +43,7 @@ def load_tokenizer(path):
 class LLM:
     def __init__(self, path, dtype="bfloat16", max_batch_size: int = 64, max_seq_len: int | None = None, dp: int = 1,
                  tp: int = 1, *, max_prefill_tokens: int | None = None, page_size: int = 16,
-                 num_pages: int | None = None, warmup: bool = True, progress: bool = True, model=None,
+                 num_pages: int | None = None, warmup: bool | str = True, progress: bool = True, model=None,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None,
                  memory_fraction: float | None = None, matmul_precision: str | None = None, overlap: bool = True,
                  mamba_ssm_cache_dtype: str | None = None, num_speculative_tokens: int = 0,
@@ -66,9 +67,14 @@ class LLM:
         The compiled step programs are kept on disk (`compilation_cache_dir`, else $JAXMODELS_COMPILATION_CACHE_DIR,
         else JAX's own cache directory, else ~/.cache/jaxmodels/xla; "off" turns it off), so a later start with the
         same model and limits loads them instead of compiling (jaxmodels.compilation_cache).
+        `warmup`: by default the constructor compiles the largest prefill and decode buckets and returns, ready to
+        serve (smaller batches pad up to them), and the other buckets compile in the background, each used as soon
+        as it is ready (`metrics()` reports `ready_s` and `buckets_compiling`; `wait_until_compiled()` waits for
+        them); "all" compiles them all first, False compiles each on first use (jaxmodels.engine.warmup).
         The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).
         """
+        started = time.perf_counter()
         # dp x tp devices: each of the dp groups serves its own requests from its own cache pools (max_batch_size
         # / dp each), attention heads and KV pages split over the group's tp devices; MLP / MoE weights split over
         # all devices, their layers exchanging tokens between groups (see sharding.rules, engine.runner).
@@ -84,7 +90,7 @@ class LLM:
         self.tokenizer = load_tokenizer(path) if path is not None else None
         self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,
-                             warmup=warmup, progress=progress, prefill_sizes=prefill_sizes,
+                             warmup=warmup, progress=progress, started=started, prefill_sizes=prefill_sizes,
                              decode_sizes=decode_sizes, mesh=mesh, memory_fraction=memory_fraction,
                              matmul_precision=matmul_precision, overlap=overlap,
                              mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
@@ -96,6 +102,22 @@ class LLM:
     def metrics(self) -> dict:
         """The engine's counters (steps, tokens, host and wall time per step) and its pools' use now."""
         return self.engine.metrics()
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the buckets compiling in the background are all ready (True) or `timeout` seconds passed
+        (False). Serving does not need it: a batch pads up to a ready bucket meanwhile."""
+        return self.engine.wait_until_compiled(timeout)
+
+    def close(self) -> None:
+        """Stop the background compilation (the programs compiling now finish). The engine still serves, with the
+        buckets it has."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _encode(self, prompt):
         if isinstance(prompt, str):

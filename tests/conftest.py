@@ -6,7 +6,12 @@ float32 dots everywhere, jaxmodels.precision), so no global precision flag is se
 tests checks exactly what users get.
 """
 
+import glob
 import os
+import shutil
+import tempfile
+
+_RUN_CACHE = None  # the compilation cache this process made for the run (CPU only; see below)
 
 # Without this JAX takes 75% of the GPU at start: parallel test workers and the subprocesses some tests start (the
 # CLI, the demo) would then run out of memory. No effect on CPU.
@@ -15,6 +20,20 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # start: a test's outcome must not depend on what an earlier run left on disk. test_compilation_cache.py turns it on
 # where it is the subject; the GPU suite sets JAX's own cache (bench/gpu_check.sh), which still applies.
 os.environ.setdefault("JAXMODELS_COMPILATION_CACHE_DIR", "off")
+if not glob.glob("/dev/nvidia[0-9]*"):  # CPU only: tests compile faster; a GPU suite tests what users run
+    # XLA's CPU backend without LLVM's optimisations compiles a tiny model's step program about 3x faster (6.7 ->
+    # 2.3 s for an extend step on the 2-core CI machine) and computes the same values: XLA keeps floating-point
+    # reassociation off at every level (no fast math), and matmuls call the same Eigen / oneDNN kernels.
+    if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                        "--xla_backend_optimization_level=0"]))
+    # One JAX compilation cache per test run, new each time (so no outcome depends on an earlier run), shared by
+    # the xdist workers (they inherit the controller's environment): tests that build the same engine load each
+    # other's step programs. Programs that compile in under 0.2 s are not stored, so that a test's own tiny jit
+    # (the compilation counters' self-check) still compiles.
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE = tempfile.mkdtemp(prefix="jaxmodels-test-xla-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -60,6 +79,12 @@ def cuda_lowering(monkeypatch):
         return exported.mlir_module()
 
     return lower
+
+
+def pytest_unconfigure(config):
+    """The run's compilation cache goes with the run (removed by the process that made it: the controller)."""
+    if _RUN_CACHE is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,28 +1,34 @@
-"""Padded batch shapes. Each bucket is one compiled executable (our CUDA graph); a batch pads up to the next one."""
+"""Padded batch shapes. Each bucket is one compiled executable (our CUDA graph); a batch pads up to the next one
+that is compiled (engine.warmup compiles the largest first, the others in the background)."""
 
 import bisect
 
-
-def decode_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then steps of 4 to 32, then steps of 8, capped at (and always including) max_batch_size."""
-    sizes = [1, 2, 4, 8, *range(12, 33, 4)]
-    size = 40
-    while size < max_batch_size:
-        sizes.append(size)
-        size += 8
-    return _capped(sizes, max_batch_size)
+# Sizes per doubling of the default lists: 2 gives 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (each a power of two or 1.5
+# times one). Chosen on the H200 by bench/startup.py's padding phase (docs/BENCHMARKS.md): see STEPS_PER_OCTAVE's
+# note there for the padding cost against the buckets compiled.
+STEPS_PER_OCTAVE = 2
+SMALLEST_PREFILL = 16
 
 
-def prefill_buckets(max_tokens: int) -> list[int]:
-    """Token counts of SGLang's piecewise list: 4-32 by 4, 48-256 by 16, 288-512 by 32, 576-1024 by 64, then by 256
-    to 4096 and by 512 beyond, capped at (and always including) max_tokens."""
-    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
-             *range(1280, 4097, 256)]
-    size = 4608
-    while size < max_tokens:
-        sizes.append(size)
-        size += 512
-    return _capped(sizes, max_tokens)
+def geometric(first: int, largest: int, per_octave: int) -> list[int]:
+    """Sizes from `first` up to (and always including) `largest`: each power of two times 1, 1 + 1/p, 1 + 2/p, ...
+    (p = per_octave), the integral ones."""
+    sizes, power = set(), 1
+    while power <= largest:
+        sizes |= {power * (per_octave + i) // per_octave for i in range(per_octave)
+                  if power * (per_octave + i) % per_octave == 0}
+        power *= 2
+    return _capped([s for s in sizes if s >= first], largest)
+
+
+def decode_buckets(max_batch_size: int, per_octave: int = STEPS_PER_OCTAVE) -> list[int]:
+    """Decode batch sizes: 1 up to max_batch_size, `per_octave` per doubling."""
+    return geometric(1, max_batch_size, per_octave)
+
+
+def prefill_buckets(max_tokens: int, per_octave: int = STEPS_PER_OCTAVE) -> list[int]:
+    """Prefill token counts: SMALLEST_PREFILL up to max_tokens, `per_octave` per doubling."""
+    return geometric(min(SMALLEST_PREFILL, max_tokens), max_tokens, per_octave)
 
 
 def _capped(sizes: list[int], cap: int) -> list[int]:

@@ -24,6 +24,7 @@ from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, 
 from jaxmodels.engine.request import Request, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import GroupedScheduler
+from jaxmodels.engine.warmup import Warmup, warmup_mode
 from jaxmodels.engine.step import ModelStep
 from jaxmodels.step_context import StepKind
 
@@ -64,7 +65,7 @@ class StepTimes:
 class Engine:
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int | None = None,
                  max_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None,
-                 warmup: bool = True, progress: bool = True,
+                 warmup: bool | str = True, progress: bool = True, started: float | None = None,
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None, mesh=None,
                  memory_fraction: float | None = None, overlap: bool = True, mamba_ssm_cache_dtype=None,
                  matmul_precision: str | None = None, num_speculative_tokens: int = 0,
@@ -83,6 +84,12 @@ class Engine:
 
         On a `mesh` with a "dp" axis of size dp, each data-parallel group serves max_batch_size / dp requests from
         its own pools: `num_pages`, `decode_sizes` and `prefill_sizes` are per group (see engine.runner).
+
+        `warmup`: True (or "background") compiles the largest bucket of each kind before returning and the others
+        on a background thread while serving, switching each in when it is ready; "all" compiles every bucket
+        before returning (a multi-process job always does); "covering" compiles the largest ones only, until
+        `compile_remaining()`; False (or "none") compiles each program on first use (see engine.warmup).
+        `started` (a time.perf_counter()) is when the start began, for `metrics()["ready_s"]` (default: now).
 
         `overlap=False` reads every step's tokens before scheduling the next (same outputs, slower).
         `launch_thread` sends each step's transfers and executables from a thread of their own, so this one reads
@@ -144,8 +151,11 @@ class Engine:
                                           num_speculative_tokens=k)
         self.runner = Runner(step, self.sizes, decode_sizes=decode_sizes, prefill_sizes=prefill_sizes,
                              max_seqs_per_extend=group_batch, mesh=mesh, launch_thread=launch_thread)
-        if warmup:
-            self.runner.warmup(progress)
+        mode = warmup_mode(warmup)
+        if mode == "background" and jax.process_count() > 1:
+            mode = "all"  # every process must pick the same bucket for a step: see engine.warmup
+        self.warmup = Warmup(self.runner.programs, mode, progress=progress, started=started, owner=self)
+        self.warmup.start()
         self.eos_ids = frozenset(self.config.eos_token_id)
         self._next_id = 0
         self._seeds = random.Random(0)
@@ -271,7 +281,9 @@ class Engine:
         inside step() but not blocked on the device (with a launch thread, dispatch is that thread's and waiting for
         it counts as blocked); with overlap it runs while the device computes, so what matters is that it stays
         below the device's step time. wall_s_per_step: time per step as the caller sees it; with overlap and host
-        time below device time, that is the device's step time.
+        time below device time, that is the device's step time. ready_s: seconds from the start (the LLM call, weights
+        included) until it could serve; buckets_ready / buckets_compiling: step programs' buckets usable now and
+        still to compile; background_compile_s: how long compiling the others took (None until done).
         """
         t, counts = self.times, self.scheduler.counts()
         steps = max(t.steps, 1)
@@ -286,7 +298,21 @@ class Engine:
             kv_pages_used=pages - counts["free_pages"], kv_pages_total=pages,
             slots_used=slots - counts["free_slots"], slots_total=slots,
             spec_draft_tokens=t.spec_draft_tokens, spec_accepted_tokens=t.spec_accepted_tokens,
-            spec_accept_rate=t.spec_accepted_tokens / t.spec_draft_tokens if t.spec_draft_tokens else 0.0)
+            spec_accept_rate=t.spec_accepted_tokens / t.spec_draft_tokens if t.spec_draft_tokens else 0.0,
+            **self.warmup.status())
+
+    def compile_remaining(self) -> None:
+        """Compile the buckets not compiled yet, on this thread (warm-up mode "covering")."""
+        self.warmup.compile_remaining()
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until every bucket is compiled (True) or `timeout` seconds passed (False). Serving never needs
+        this; benchmarks of steady state do."""
+        return self.warmup.wait(timeout)
+
+    def close(self) -> None:
+        """Stop compiling in the background (after the programs compiling now)."""
+        self.warmup.stop()
 
     def reset_metrics(self) -> None:
         self.times = StepTimes()

@@ -1,7 +1,9 @@
 """The jitted runner: one executable per bucket, compiled ahead of time, each call donating the caches.
 
 Executables are compiled with `jit(...).lower(...).compile()`: calling one with a shape it was not built for is an
-error instead of a silent recompilation, so "nothing compiles after warm-up" holds by construction.
+error instead of a silent recompilation, so "nothing compiles on the step path" holds by construction. Which
+buckets exist and which are compiled yet are apart: a step pads up to the smallest bucket that is ready
+(`mark_ready`), while the others may still be compiling in the background (engine.warmup).
 
 A step is two executables sent back to back: the model's forward for the bucket (-> logits, caches) and a small
 sampler (-> tokens, each stored at its request's slot in `last_tokens`, where the next decode reads its input).
@@ -33,8 +35,6 @@ layouts `record_tp_specs` puts on the step's params): XLA cannot split a custom 
 
 import concurrent.futures
 import logging
-import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -43,19 +43,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmodels.engine import sampler
 from jaxmodels.engine.batch import decode_batch, extend_batch, next_tokens, verify_batch
-from jaxmodels.engine.buckets import bucket_for
 from jaxmodels.engine.cache import allocate_caches
-from jaxmodels.engine.scheduler import SlotTables
+from jaxmodels.engine.programs import DRAFT, EXTEND_HIDDEN, SAMPLERS, StepPrograms, concat_groups
 from jaxmodels.engine.speculative import DraftState
 from jaxmodels.layers.tensor_parallel import TP
 from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")
 
-SAMPLERS = ("greedy", "sample")
 DP = "dp"
-# Programs of a speculative engine besides the samplers (see the module docstring).
-EXTEND_HIDDEN, DRAFT = "extend_hidden", "draft"
 
 
 def _forward_fn(step, kind: StepKind, param_names: list[str], dp_axis: str | None):
@@ -128,13 +124,6 @@ def uses_launch_thread(requested: bool | None) -> bool:
     return jax.process_count() == 1 if requested is None else requested
 
 
-def _concat_groups(parts: list):
-    """[(batch, knobs, ...)] of each group -> one tuple with the groups' rows back to back."""
-    if len(parts) == 1:
-        return parts[0]
-    return jax.tree.map(lambda *arrays: np.concatenate(arrays), *parts)
-
-
 class Runner:
     def __init__(self, step, sizes, *, decode_sizes, prefill_sizes, max_seqs_per_extend: int, mesh=None,
                  launch_thread: bool | None = None):
@@ -162,26 +151,29 @@ class Runner:
         dp_axis = DP if mesh is not None else None
         names = self.param_names
         model_in = ("params", "caches")
-        self._programs = {mode: self._jit(_sampler_fn(mode), ("rows",) * 3, ("rows",) * 2, donate=(1,))
+        programs = {mode: self._jit(_sampler_fn(mode), ("rows",) * 3, ("rows",) * 2, donate=(1,))
                           for mode in SAMPLERS}
         if self.speculative:
-            self._programs[EXTEND_HIDDEN] = self._jit(_extend_hidden_fn(step, names, dp_axis), model_in + ("rows",),
+            programs[EXTEND_HIDDEN] = self._jit(_extend_hidden_fn(step, names, dp_axis), model_in + ("rows",),
                                                       ("rows", "rows", "caches"), donate=(1,))
-            self._programs[DRAFT] = self._jit(_draft_fn(step, names, dp_axis), model_in + ("rows",) * 5,
+            programs[DRAFT] = self._jit(_draft_fn(step, names, dp_axis), model_in + ("rows",) * 5,
                                               ("rows", "caches"), donate=(1, 6))
             for mode in SAMPLERS:
-                self._programs[StepKind.VERIFY, mode] = self._jit(
+                programs[StepKind.VERIFY, mode] = self._jit(
                     _verify_fn(step, names, mode, dp_axis), model_in + ("rows",) * 4,
                     ("rows", "rows", "rows", "caches"), donate=(1, 2, 3))
         else:
             for kind in (StepKind.EXTEND, StepKind.DECODE):
-                self._programs[kind] = self._jit(_forward_fn(step, kind, names, dp_axis), model_in + ("rows",) * 2,
+                programs[kind] = self._jit(_forward_fn(step, kind, names, dp_axis), model_in + ("rows",) * 2,
                                                  ("rows", "caches"), donate=(1,))
-        # Compiled executables by job (see jobs).
-        self._compiled: dict[tuple, object] = {}
+        # What warm-up compiles, and which buckets steps may use (engine.programs, engine.warmup).
+        self.programs = StepPrograms(
+            programs, dict(params=self.params, caches=self.caches, last_tokens=self.last_tokens, drafts=self.drafts),
+            decode_sizes=decode_sizes, prefill_sizes=prefill_sizes, max_seqs=self.max_seqs, dp=self.dp,
+            speculative=self.speculative, pages_per_seq=sizes.pages_per_seq, vocab_size=step.config.vocab_size,
+            hidden_size=step.config.hidden_size, dtype=step.dtype)
         self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmodels-launch")
                           if uses_launch_thread(launch_thread) else None)
-        self._example_tables = SlotTables(1, sizes.pages_per_seq)
 
     def _shard_over(self, mesh, params: dict, cache_shapes) -> None:
         from sharding import cache_partition_specs, manual_part, param_partition_specs
@@ -224,78 +216,8 @@ class Runner:
                                check_vma=False)
         return jax.jit(mapped, donate_argnums=donate, out_shardings=tuple(out_shardings[x] for x in outputs))
 
-    def _example(self, kind, n):
-        """An all-padding (batch, sampling knobs) of bucket n for every group."""
-        if kind == StepKind.EXTEND:
-            part = extend_batch([], n, self.max_seqs, self._example_tables)
-        elif kind == StepKind.VERIFY:
-            part = verify_batch([], n, self._example_tables)
-        else:
-            part = decode_batch([], n, self._example_tables)
-        return _concat_groups([part] * self.dp)
-
-    def jobs(self) -> list[tuple]:
-        """Every executable serving may call: (program, bucket) or (program, bucket, sampler mode)."""
-        if self.speculative:
-            forwards = ([(EXTEND_HIDDEN, n) for n in self.prefill_sizes] + [(DRAFT, n) for n in self.prefill_sizes]
-                        + [(StepKind.VERIFY, n, mode) for n in self.decode_sizes for mode in SAMPLERS])
-            rows = [self.max_seqs]
-        else:
-            forwards = ([(StepKind.EXTEND, n) for n in self.prefill_sizes]
-                        + [(StepKind.DECODE, n) for n in self.decode_sizes])
-            rows = sorted({self.max_seqs, *self.decode_sizes})
-        return forwards + [("sampler", n, mode) for n in rows for mode in SAMPLERS]
-
-    def warmup(self, progress: bool = True) -> None:
-        """Compile every executable serving may call (see jobs). An all-padding batch has the exact shapes and
-        dtypes of a real one.
-
-        Tracing runs here one executable after another; XLA compiles them on a thread per core, which releases the
-        GIL (2x faster on the 2-core CI machine).
-        """
-        from tqdm.auto import tqdm
-
-        jobs = self.jobs()
-        start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool, \
-                tqdm(total=len(jobs), desc="compiling buckets", disable=not progress) as bar:
-            futures = {pool.submit(self._lower(job).compile): job for job in jobs}
-            for future in concurrent.futures.as_completed(futures):
-                self._compiled[futures[future]] = future.result()
-                bar.update()
-        log.info("compiled %d executables in %.1f s (prefill tokens %s; decode batch %s; greedy and full samplers%s)",
-                 len(jobs), time.perf_counter() - start, self.prefill_sizes, self.decode_sizes,
-                 f"; {self.speculative} speculative tokens" if self.speculative else "")
-
-    def _lower(self, job):
-        program, args = self.program_and_args(job)
-        return program.lower(*args)
-
-    def program_and_args(self, job) -> tuple:
-        """(the jitted program of `job` (see jobs), example arguments of its exact shapes and dtypes)."""
-        program, n, *mode = job
-        if program == "sampler":
-            logits = jax.ShapeDtypeStruct((self.dp * n, self.step.config.vocab_size), jnp.float32)
-            _, knobs = self._example(StepKind.DECODE, n)
-            return self._programs[mode[0]], (logits, self.last_tokens, knobs)
-        model_args = (self.params, self.caches)
-        if program == EXTEND_HIDDEN:
-            return self._programs[program], (*model_args, self._example(StepKind.EXTEND, n)[0])
-        if program == DRAFT:
-            batch, _ = self._example(StepKind.EXTEND, n)
-            hidden = jax.ShapeDtypeStruct((self.dp * n, self.step.config.hidden_size), self.step.dtype)
-            tokens = jax.ShapeDtypeStruct((self.dp * n,), jnp.int32)
-            sampled = jax.ShapeDtypeStruct((self.dp * self.max_seqs,), jnp.int32)
-            return self._programs[program], (*model_args, hidden, batch, tokens, sampled, self.drafts)
-        if program == StepKind.VERIFY:
-            return self._programs[program, mode[0]], (*model_args, self.last_tokens, self.drafts,
-                                                      *self._example(program, n))
-        return self._programs[program], (*model_args, self.last_tokens, self._example(program, n)[0])
-
     def _executable(self, job):
-        if job not in self._compiled:  # only without warm-up
-            self._compiled[job] = self._lower(job).compile()
-        return self._compiled[job]
+        return self.programs.executable(job)
 
     def _sample(self, logits, knobs):
         """Send the sampler for `logits`; -> the tokens (device array), stored per slot in last_tokens too."""
@@ -358,15 +280,16 @@ class Runner:
         it; with rows per group: the sampled token of each chunk or request, or for VERIFY the k+1 tokens and the
         number of drafts accepted). Read them with `read`."""
         if kind is StepKind.EXTEND:
-            n = bucket_for(self.prefill_sizes, max(sum(chunk.length for chunk in chunks) for chunks in works))
+            tokens = max(sum(chunk.length for chunk in chunks) for chunks in works)
+            n = self.programs.bucket(StepKind.EXTEND, tokens)
             parts = [extend_batch(chunks, n, self.max_seqs, t) for chunks, t in zip(works, tables)]
             if self.speculative:
                 following = np.concatenate([next_tokens(chunks, n) for chunks in works])
-                return self._send(self._run_extend_and_draft, n, *_concat_groups(parts), following), self.max_seqs
-            return self._send(self._run, kind, n, *_concat_groups(parts)), self.max_seqs
-        n = bucket_for(self.decode_sizes, max(map(len, works)))
+                return self._send(self._run_extend_and_draft, n, *concat_groups(parts), following), self.max_seqs
+            return self._send(self._run, kind, n, *concat_groups(parts)), self.max_seqs
+        n = self.programs.bucket(StepKind.DECODE, max(map(len, works)))
         if kind is StepKind.VERIFY:
             parts = [verify_batch(r, n, t) for r, t in zip(works, tables)]
-            return self._send(self._run_verify, n, *_concat_groups(parts)), n
+            return self._send(self._run_verify, n, *concat_groups(parts)), n
         parts = [decode_batch(r, n, t) for r, t in zip(works, tables)]
-        return self._send(self._run, kind, n, *_concat_groups(parts)), n
+        return self._send(self._run, kind, n, *concat_groups(parts)), n

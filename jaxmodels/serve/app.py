@@ -7,6 +7,8 @@ Every failure is answered with OpenAI's error JSON, and the server keeps serving
 
 import asyncio
 import contextlib
+import logging
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -22,23 +24,51 @@ from jaxmodels.serve.responses import ChatResponses, CompletionResponses, sse, u
 from jaxmodels.serve.worker import EngineWorker
 
 
+log = logging.getLogger("jaxmodels.serve")
+
+
 class _ClientGone(Exception):
     """The client closed the connection before its (non-streamed) response was ready."""
 
 
 class _Server:
-    """What the routes share: the engine thread, the tokenizer and template, the limits and the counters."""
+    """What the routes share: the engine thread, the tokenizer and template, the limits and the counters. Until the
+    model is attached (`attach`, once loaded) the routes that need it answer 503 with a "loading" reason."""
 
-    def __init__(self, llm, *, model_name: str, chat_template: ChatTemplate | None, max_queued_requests: int):
+    def __init__(self, *, model_name: str, chat_template: ChatTemplate | None, max_queued_requests: int):
         self.model_name = model_name
-        self.tokenizer = llm.tokenizer
         self.chat_template = chat_template
-        self.max_seq_len = llm.engine.max_seq_len
-        # The engine holds max_batch_size requests at once; the server queues at most max_queued_requests more.
-        self.capacity = llm.metrics()["slots_total"] + max_queued_requests
+        self.max_queued_requests = max_queued_requests
         self.stats = ServerStats()
         self.started = int(time.time())
-        self.worker: EngineWorker | None = None  # started with the app (it needs the running event loop)
+        self.loading_since = time.monotonic()
+        self.load_failure: str | None = None
+        self.llm = None
+        self.tokenizer = None
+        self.max_seq_len = None
+        self.capacity = 0
+        self.worker: EngineWorker | None = None  # started with the model (it needs the running event loop)
+
+    def attach(self, llm) -> None:
+        """Serve `llm` from now on (on the event loop: the engine thread needs it)."""
+        self.tokenizer = llm.tokenizer
+        self.max_seq_len = llm.engine.max_seq_len
+        # The engine holds max_batch_size requests at once; the server queues at most max_queued_requests more.
+        self.capacity = llm.metrics()["slots_total"] + self.max_queued_requests
+        self.worker = EngineWorker(llm.engine, asyncio.get_running_loop())
+        self.worker.start()
+        self.llm = llm
+
+    def require_engine(self) -> EngineWorker:
+        """The engine thread, or APIError 503 while the model loads (or after loading or the engine failed)."""
+        if self.load_failure is not None:
+            raise APIError(503, f"the model failed to load: {self.load_failure}", code="load_failed")
+        if self.worker is None:
+            raise APIError(503, f"loading: the model is still loading ({time.monotonic() - self.loading_since:.0f} s "
+                                "so far: weights, then the first step programs); retry later", code="loading")
+        if self.worker.failure is not None:
+            raise APIError(503, self.worker.failure)
+        return self.worker
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -64,8 +94,7 @@ class _Server:
 
     async def start(self, work, stops: list[str]) -> Generation:
         """Queue the work in the engine (APIError 400 or 503 when it cannot be)."""
-        if self.worker.failure is not None:
-            raise APIError(503, self.worker.failure)
+        self.require_engine()
         if len(work) > self.capacity:
             raise APIError(400, f"{len(work)} choices exceed the {self.capacity} requests this server holds at "
                                 f"once", param="n")
@@ -77,24 +106,43 @@ class _Server:
         return generation
 
     async def metrics(self) -> dict:
-        if self.worker.failure is not None:
-            raise APIError(503, self.worker.failure)
-        return await asyncio.wrap_future(self.worker.call(self.worker.snapshot))
+        worker = self.require_engine()
+        return await asyncio.wrap_future(worker.call(worker.snapshot))
 
 
-def build_app(llm, *, model_name: str, chat_template: ChatTemplate | None = None,
-              max_queued_requests: int = 1024) -> FastAPI:
+def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None = None,
+              max_queued_requests: int = 1024, load=None, on_load_failure=None) -> FastAPI:
     """The app serving `llm` (whose engine it takes over: from its start on, only its engine thread may touch the
-    engine). `model_name` is the id clients send as `model`."""
-    server = _Server(llm, model_name=model_name, chat_template=chat_template,
-                     max_queued_requests=max_queued_requests)
+    engine), or the LLM that `load()` returns: the app then answers at once, /health and the model routes with 503
+    and a "loading" reason, and serves once `load` has returned (it runs on a thread of its own when the app
+    starts; if it raises, `on_load_failure(message)` is called). `model_name` is the id clients send as `model`."""
+    if (llm is None) == (load is None):
+        raise ValueError("give exactly one of llm and load")
+    server = _Server(model_name=model_name, chat_template=chat_template, max_queued_requests=max_queued_requests)
+
+    def load_in_background(loop) -> None:
+        try:
+            loaded = load()
+        except Exception as error:  # noqa: BLE001 - reported by /health and to on_load_failure
+            log.exception("loading the model failed")
+            server.load_failure = f"{type(error).__name__}: {error}"
+            if on_load_failure is not None:
+                on_load_failure(server.load_failure)
+            return
+        loop.call_soon_threadsafe(server.attach, loaded)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.worker = EngineWorker(llm.engine, asyncio.get_running_loop())
-        server.worker.start()
+        if llm is not None:
+            server.attach(llm)
+        else:
+            threading.Thread(target=load_in_background, args=(asyncio.get_running_loop(),), name="jaxmodels-load",
+                             daemon=True).start()
         yield
-        await asyncio.to_thread(server.worker.stop)
+        if server.worker is not None:
+            await asyncio.to_thread(server.worker.stop)
+        if server.llm is not None:
+            server.llm.close()
 
     app = FastAPI(title="jaxmodels", lifespan=lifespan)
     app.state.server = server
@@ -125,9 +173,11 @@ def build_app(llm, *, model_name: str, chat_template: ChatTemplate | None = None
 
     @app.get("/health")
     async def health():
-        if server.worker.failure is not None:
-            raise APIError(503, server.worker.failure)
-        return {"status": "ok"}
+        """200 once the engine serves (the other buckets may still compile: their count is in the body), 503 with
+        the reason before (loading) or after (the engine failed)."""
+        server.require_engine()
+        compiling = server.llm.engine.warmup.status()["buckets_compiling"]
+        return {"status": "ok", "buckets_compiling": compiling}
 
     @app.get("/v1/models")
     async def models():
@@ -150,6 +200,7 @@ def build_app(llm, *, model_name: str, chat_template: ChatTemplate | None = None
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
+        server.require_engine()  # its tokenizer and limits come with the model
         prompts = [server.encode(p) for p in body.prompt]
         stops = server.check_stops(body.stop_strings)
         work = [(prompt, params) for prompt in prompts
@@ -169,6 +220,7 @@ def build_app(llm, *, model_name: str, chat_template: ChatTemplate | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
+        server.require_engine()
         if server.chat_template is None or server.tokenizer is None:
             raise APIError(400, "this model has no chat template (neither chat_template in tokenizer_config.json "
                                 "nor chat_template.jinja, or no tokenizer.json): use /v1/completions",

@@ -27,7 +27,8 @@ def build_llm(args):
     from jaxmodels.llm import LLM
 
     limits = dict(dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                  max_prefill_tokens=args.max_prefill_tokens, progress=not args.no_progress)
+                  max_prefill_tokens=args.max_prefill_tokens, progress=not args.no_progress,
+                  warmup="all")  # the timed runs measure the engine with every bucket ready
     if args.model is not None:
         return LLM(args.model, **limits)
     if args.smoke:

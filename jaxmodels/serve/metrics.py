@@ -55,6 +55,9 @@ ENGINE_METRICS = [
     ("spec_draft_tokens_total", "counter", "Speculative draft tokens proposed.", "spec_draft_tokens"),
     ("spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted.", "spec_accepted_tokens"),
     ("spec_accept_rate", "gauge", "Fraction of draft tokens accepted.", "spec_accept_rate"),
+    ("ready_seconds", "gauge", "Seconds from the start (weights included) until the engine could serve.", "ready_s"),
+    ("buckets_ready", "gauge", "Step-program buckets compiled and in use.", "buckets_ready"),
+    ("buckets_compiling", "gauge", "Step-program buckets still compiling in the background.", "buckets_compiling"),
 ]
 
 
@@ -66,7 +69,7 @@ def prometheus_text(engine: dict, stats: ServerStats, prefix: str = "jaxmodels_"
         lines.extend(f"{prefix}{name}{labels} {float(value)!r}" for labels, value in samples)
 
     for name, kind, help_text, key in ENGINE_METRICS:
-        if key in engine:
+        if engine.get(key) is not None:
             family(name, kind, help_text, [("", engine[key])])
     kv_total = engine["kv_pages_total"]
     family("kv_cache_usage", "gauge", "Fraction of KV cache pages in use.",

@@ -1,6 +1,8 @@
 """Running the app under uvicorn: in the foreground (`python -m jaxmodels serve`) or on a background thread (tests,
 the load benchmark)."""
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -11,13 +13,19 @@ from jaxmodels.serve.app import build_app
 from jaxmodels.serve.chat_template import ChatTemplate
 
 
-def load_app(model_dir: str, *, model_name: str, max_queued_requests: int, **llm_options):
-    """Load the checkpoint into an LLM (compiling its buckets) and build the app around it."""
+def load_app(model_dir: str, *, model_name: str, max_queued_requests: int, on_load_failure=None, **llm_options):
+    """The app over an LLM of the checkpoint, loaded (weights, then the first buckets compiled) on a thread once
+    the app starts: it answers /health with 503 "loading" meanwhile (see build_app)."""
     from jaxmodels.llm import LLM
 
-    llm = LLM(model_dir, **llm_options)
-    return build_app(llm, model_name=model_name, chat_template=ChatTemplate.from_directory(model_dir),
-                     max_queued_requests=max_queued_requests)
+    return build_app(load=lambda: LLM(model_dir, **llm_options), model_name=model_name,
+                     chat_template=ChatTemplate.from_directory(model_dir), max_queued_requests=max_queued_requests,
+                     on_load_failure=on_load_failure)
+
+
+def stop_process(message: str) -> None:
+    """`on_load_failure` of the command line's server: uvicorn shuts down on SIGTERM as on Ctrl-C."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def serve_forever(app, host: str, port: int) -> None:

@@ -16,10 +16,15 @@ from jaxmodels.engine.scheduler import Scheduler
 
 
 def test_buckets():
-    assert decode_buckets(40) == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40]
-    assert decode_buckets(6) == [1, 2, 4, 6]
-    assert prefill_buckets(64) == [4, 8, 12, 16, 20, 24, 28, 32, 48, 64]
-    assert prefill_buckets(300)[-3:] == [256, 288, 300]
+    # Two sizes per doubling: powers of two and 1.5 times them, capped at (and always including) the limit.
+    assert decode_buckets(40) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40]
+    assert decode_buckets(6) == [1, 2, 3, 4, 6]
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(256, per_octave=1) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert decode_buckets(16, per_octave=4) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    assert prefill_buckets(64) == [16, 24, 32, 48, 64]
+    assert prefill_buckets(300)[-3:] == [192, 256, 300]
+    assert prefill_buckets(8) == [8]
     assert bucket_for([4, 8, 16], 5) == 8 and bucket_for([4, 8, 16], 16) == 16
     with pytest.raises(ValueError):
         bucket_for([4, 8], 9)

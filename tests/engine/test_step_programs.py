@@ -48,8 +48,8 @@ def test_step_programs_have_no_xla_control_flow(model_type, speculative, monkeyp
     runner = Runner(step, PoolSizes.from_limits(max_batch_size=2, max_seq_len=16), decode_sizes=[2],
                     prefill_sizes=[8], max_seqs_per_extend=2)
     programs = {}
-    for job in runner.jobs():
-        program, args = runner.program_and_args(job)
+    for job in runner.programs.jobs():
+        program, args = runner.programs.program_and_args(job)
         programs[job] = cuda_lowering(program, *args)
     for name, text in programs.items():
         assert not control_flow(text), (name, control_flow(text))

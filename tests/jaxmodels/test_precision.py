@@ -68,5 +68,5 @@ def test_engine_steps_run_at_the_models_precision(model_type, user_default_bfloa
     sizes = PoolSizes.from_limits(max_batch_size=2, max_seq_len=16)
     runner = Runner(step, sizes, decode_sizes=[2], prefill_sizes=[8], max_seqs_per_extend=2)
     for kind in ("extend", "decode"):
-        dots = dot_precisions(runner._lower((kind, 8 if kind == "extend" else 2)).as_text())
+        dots = dot_precisions(runner.programs.lower((kind, 8 if kind == "extend" else 2)).as_text())
         assert {precision for precision, _ in dots} == {"HIGHEST"}, kind

@@ -180,7 +180,7 @@ def test_models_lists_the_served_model(server):
 def test_health_is_ok(server):
     response = httpx.get(f"{server.url}/health")
     assert response.status_code == 200
-    assert response.json() == {"status": "ok"}
+    assert response.json() == {"status": "ok", "buckets_compiling": 0}  # one bucket of each kind, compiled
 
 
 def test_metrics_are_prometheus_text(server):
@@ -195,3 +195,6 @@ def test_metrics_are_prometheus_text(server):
     assert families["jaxmodels_generation_tokens"].samples[0].value >= 3
     assert families["jaxmodels_generation_tokens_per_second"].samples[0].value > 0
     assert families["jaxmodels_slots_total"].samples[0].value == 8
+    assert families["jaxmodels_ready_seconds"].samples[0].value > 0
+    assert families["jaxmodels_buckets_ready"].samples[0].value == 2  # one prefill and one decode bucket
+    assert families["jaxmodels_buckets_compiling"].samples[0].value == 0

@@ -16,16 +16,19 @@ import pallas_kernels
 from jaxmodels.step_context import StepKind
 from tests.hf_models import make_dsa, make_nemotron_h, save
 
-LIMITS = dict(max_batch_size=8, max_seq_len=64, max_prefill_tokens=8, progress=False)
+# One bucket of each kind (compiled before serving: warm-up "all"), so that the count of compiled programs shows any
+# compilation while serving.
+LIMITS = dict(max_batch_size=8, max_seq_len=64, prefill_sizes=[8], warmup="all", progress=False)
 MESHES = ((2, 1), (2, 2), (4, 2), (8, 1), (1, 2))
 
 
 def serve(path, prompts, **options):
-    llm = jaxmodels.LLM(path, dtype="float32", **LIMITS, **options)
-    compiled = len(llm.engine.runner._compiled)
+    decode_sizes = [LIMITS["max_batch_size"] // options.get("dp", 1)]  # per dp group
+    llm = jaxmodels.LLM(path, dtype="float32", decode_sizes=decode_sizes, **LIMITS, **options)
+    compiled = len(llm.engine.runner.programs._compiled)
     greedy = llm.generate(prompts, jaxmodels.SamplingParams(max_new_tokens=8, temperature=0.0))
     sampled = llm.generate(prompts, jaxmodels.SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3))
-    assert len(llm.engine.runner._compiled) == compiled, "an executable was compiled after warm-up"
+    assert len(llm.engine.runner.programs._compiled) == compiled, "an executable was compiled after warm-up"
     return llm, [o.token_ids for o in greedy], [o.token_ids for o in sampled]
 
 
@@ -33,7 +36,7 @@ def check_compiled_layout(llm, dp: int, tp: int) -> None:
     """The decode executable's input shardings: cache pools split over dp (each device holds 1/dp of every pool),
     KV heads over tp, routed experts over all devices."""
     runner = llm.engine.runner
-    decode = runner._compiled[(StepKind.DECODE, runner.decode_sizes[-1])]
+    decode = runner.programs.executable((StepKind.DECODE, runner.decode_sizes[-1]))
     params_in, caches_in = decode.input_shardings[0][:2]
     for cache, shardings in zip(runner.caches, caches_in):
         if cache is None:

@@ -14,9 +14,13 @@ from tests.sharding.sharded_serving_check import MESHES
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def cpu_devices_flags(devices: int) -> str:
+    """XLA_FLAGS for a subprocess with `devices` simulated CPU devices, keeping this process's flags (conftest's)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+
+
 def run_on_devices(module: str, directory, devices: int = 8) -> str:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=cpu_devices_flags(devices), JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     result = subprocess.run([sys.executable, "-m", module, str(directory)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -61,7 +65,7 @@ def test_multi_process_job_equals_one_device(tmp_path):
     with socket.socket() as probe:
         probe.bind(("localhost", 0))
         port = probe.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=cpu_devices_flags(2), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
     processes = [subprocess.Popen([sys.executable, "-m", "tests.sharding.multihost_check", str(path)], cwd=ROOT,
                                   env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
