@@ -234,7 +234,7 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "
             --json "$OUT/padding_$config.json" > "$OUT/padding_$config.log" 2>&1; echo "exit $?"
           grep -B2 -A30 "^### padding" "$OUT/padding_$config.log"; done ;;
     start_30b) rm -rf /tmp/startcache; for run in cold warm; do echo "--- $run"
-          timeout 280 python3 bench/startup.py start --no-progress --compilation-cache /tmp/startcache \
+          timeout $([ $run = warm ] && echo 180 || echo 380) python3 bench/startup.py start --no-progress --compilation-cache /tmp/startcache \
             --config bench/configs/nemotron_h_nano30b_a3b.json $([ $run = warm ] && echo --serve 0) \
             --json "$OUT/start_30b_$run.json" > "$OUT/start_30b_$run.log" 2>&1; echo "exit $?"
           grep -A12 "^### start" "$OUT/start_30b_$run.log"; done ;;
