@@ -229,8 +229,9 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "
     # Issue 44: the padding cost of bucket lists (decode steps and prefills at each size, both Nemotron-H classes),
     # then a new user's start: cold, then warm from the compilation cache in a new process, with the serving run
     # during and after the background compilation; the real-size checkpoint's load.
-    start_padding) for config in nemotron_h_nano30b_a3b nemotron_h_nano9b; do
-          timeout 280 python3 bench/startup.py padding --no-progress --config "bench/configs/$config.json" \
+    start_padding) for config in ${PADDING_CONFIGS:-nemotron_h_nano30b_a3b nemotron_h_nano9b}; do
+          timeout ${PADDING_TIMEOUT:-280} python3 bench/startup.py padding --no-progress --config "bench/configs/$config.json" \
+            --decode-sizes 1,2,4,8,12,16,24,32,48,64,96,128,192,256 --prefill-sizes 16,32,64,128,256,384,512,768,1024 \
             --json "$OUT/padding_$config.json" > "$OUT/padding_$config.log" 2>&1; echo "exit $?"
           grep -B2 -A30 "^### padding" "$OUT/padding_$config.log"; done ;;
     start_30b) rm -rf /tmp/startcache; for run in cold warm; do echo "--- $run"
@@ -238,9 +239,9 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "
             --config bench/configs/nemotron_h_nano30b_a3b.json $([ $run = warm ] && echo --serve 0) \
             --json "$OUT/start_30b_$run.json" > "$OUT/start_30b_$run.log" 2>&1; echo "exit $?"
           grep -A12 "^### start" "$OUT/start_30b_$run.log"; done ;;
-    start_9b) timeout 280 python3 bench/startup.py start --no-progress --config bench/configs/nemotron_h_nano9b.json \
+    start_9b) timeout 250 python3 bench/startup.py start --no-progress --config bench/configs/nemotron_h_nano9b.json \
           --json "$OUT/start_9b.json" > "$OUT/start_9b.log" 2>&1; echo "exit $?"; grep -A12 "^### start" "$OUT/start_9b.log"
-        timeout 250 python3 bench/startup.py load --no-progress --config bench/configs/nemotron_h_nano9b.json \
+        timeout 150 python3 bench/startup.py load --no-progress --config bench/configs/nemotron_h_nano9b.json \
           --checkpoint /tmp/nano9b_ckpt 2>&1 | tail -3 ;;
     compile_cache) rm -rf /tmp/jaxcache; for run in cold warm; do echo "--- $run start"
           timeout 250 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano30b_a3b.json \

@@ -26,6 +26,7 @@ import atexit
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -35,6 +36,8 @@ from jaxmodels.step_context import StepKind
 log = logging.getLogger("jaxmodels.engine")
 
 MODES = ("background", "all", "covering", "none")
+# The interpreter's switch interval while compiling in the background (see Warmup._compile_in_background).
+BACKGROUND_SWITCH_INTERVAL_S = 0.0005
 # Background compilations still running: stopped at exit, so that no XLA compilation outlives the interpreter.
 _running: weakref.WeakSet = weakref.WeakSet()
 
@@ -120,11 +123,16 @@ class Warmup:
             self._thread.start()
 
     def _compile_in_background(self) -> None:
+        # Lowering is Python (tracing the model) and holds the GIL for seconds per program; a serving thread that
+        # wants the GIL back waits the switch interval (5 ms by default) each time. Meanwhile the interval is short.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, BACKGROUND_SWITCH_INTERVAL_S))
         try:
             self.compile_remaining()
         except Exception:  # noqa: BLE001 - serving goes on with the buckets it has
             log.exception("background compilation stopped; serving goes on with the buckets compiled so far")
         finally:
+            sys.setswitchinterval(switch_interval)
             _running.discard(self)
 
     def compile_remaining(self) -> None:
