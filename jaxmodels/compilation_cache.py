@@ -1,12 +1,12 @@
 """JAX's persistent compilation cache under the engine's warm-up, on by default.
 
-The engine compiles one executable per bucket and kind before it serves (engine.runner): with the default limits
-about fifty programs, each a whole model's step, which on a GPU takes minutes for a large model. JAX stores each
+The engine compiles one executable per bucket and kind (engine.warmup: the largest before it serves, the others in
+the background), each a whole model's step, which on a GPU takes seconds to tens of seconds. JAX stores each
 compiled executable in the cache directory, keyed by the program, the compile options, the JAX / jaxlib version and
 the device kind, and a later process that compiles the same program (same model shapes, dtypes and engine limits)
 loads it instead. Nothing else changes: a program not in the cache is compiled as without one. On an H200 the
-Nano-30B class's warm-up (decode buckets 1 and 8) took 29.7 s cold and 15.5 s from the cache, with the same decode
-figures (docs/BENCHMARKS.md, 2026-12-02); the rest of a warm start is tracing and lowering, which the cache keys on.
+Nano-30B class was ready to serve 28.3 s after the LLM call cold and 9.2 s from the cache (docs/BENCHMARKS.md,
+"Start-up"); the rest of a warm start is tracing and lowering, which the cache keys on.
 
 Where, first match wins:
   * `LLM(..., compilation_cache_dir=DIR)` or `--compilation-cache DIR` on the command line;
