@@ -24,8 +24,8 @@ from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, 
 from jaxmodels.engine.request import Request, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import GroupedScheduler
-from jaxmodels.engine.warmup import Warmup, warmup_mode
 from jaxmodels.engine.step import ModelStep
+from jaxmodels.engine.warmup import Warmup, warmup_mode
 from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")

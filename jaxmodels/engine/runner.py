@@ -152,12 +152,12 @@ class Runner:
         names = self.param_names
         model_in = ("params", "caches")
         programs = {mode: self._jit(_sampler_fn(mode), ("rows",) * 3, ("rows",) * 2, donate=(1,))
-                          for mode in SAMPLERS}
+                    for mode in SAMPLERS}
         if self.speculative:
             programs[EXTEND_HIDDEN] = self._jit(_extend_hidden_fn(step, names, dp_axis), model_in + ("rows",),
-                                                      ("rows", "rows", "caches"), donate=(1,))
+                                                ("rows", "rows", "caches"), donate=(1,))
             programs[DRAFT] = self._jit(_draft_fn(step, names, dp_axis), model_in + ("rows",) * 5,
-                                              ("rows", "caches"), donate=(1, 6))
+                                        ("rows", "caches"), donate=(1, 6))
             for mode in SAMPLERS:
                 programs[StepKind.VERIFY, mode] = self._jit(
                     _verify_fn(step, names, mode, dp_axis), model_in + ("rows",) * 4,
@@ -165,7 +165,7 @@ class Runner:
         else:
             for kind in (StepKind.EXTEND, StepKind.DECODE):
                 programs[kind] = self._jit(_forward_fn(step, kind, names, dp_axis), model_in + ("rows",) * 2,
-                                                 ("rows", "caches"), donate=(1,))
+                                           ("rows", "caches"), donate=(1,))
         # What warm-up compiles, and which buckets steps may use (engine.programs, engine.warmup).
         self.programs = StepPrograms(
             programs, dict(params=self.params, caches=self.caches, last_tokens=self.last_tokens, drafts=self.drafts),
