@@ -6,7 +6,7 @@ import bisect
 # Sizes per doubling of the default lists: 2 gives 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (each a power of two or 1.5
 # times one). Measured on the H200 (bench/startup.py padding, Nano-30B class; docs/BENCHMARKS.md "Start-up"): a batch
 # padded to its bucket costs 6.6% more on average at decode and 4.8% at prefill, against 1.6% / 1.3% with the old
-# SGLang-like lists of 38 + 38 buckets; these have 16 + 13, each about 4 s of lowering in the background compilation.
+# SGLang-like lists of 38 + 38 buckets; these have 16 + 13, each seconds of lowering in the background compilation.
 STEPS_PER_OCTAVE = 2
 SMALLEST_PREFILL = 16
 
