@@ -3,6 +3,7 @@
     python -m jaxmodels.benchmark_startup start --config bench/configs/nemotron_h_nano30b_a3b.json
     python -m jaxmodels.benchmark_startup padding --config bench/configs/nemotron_h_nano9b.json
     python -m jaxmodels.benchmark_startup load --config bench/configs/nemotron_h_nano9b.json --checkpoint DIR
+    python -m jaxmodels.benchmark_startup lowering --config bench/configs/nemotron_h_nano30b_a3b.json
 
 `start`: as a new user would, with default options: random weights of the real shapes made on the device (the
 clock starts before them), then `LLM(None, model=..., dtype, max_batch_size=256, max_seq_len=2008)` with nothing
@@ -21,6 +22,8 @@ compilation pays for).
 
 `load`: a real-size safetensors checkpoint of random weights written to `--checkpoint DIR` (once), then read with
 `load_model` (the page cache dropped first when the process may do so): seconds and GB/s.
+
+`lowering`: the largest decode and prefill programs lowered under cProfile, then compiled: where a bucket's seconds go.
 """
 
 import argparse
@@ -54,31 +57,51 @@ def start_phase(args) -> dict:
     call = time.perf_counter()
     llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                         max_seq_len=args.max_seq_len, compilation_cache_dir=args.compilation_cache,
-                        progress=not args.no_progress)
+                        warmup=args.warmup, progress=not args.no_progress)
     del model
     constructor_s = time.perf_counter() - call
+    before_serving = compile_timings(llm.engine.warmup.timings)
     rng = np.random.default_rng(0)
     vocab = raw["vocab_size"]
     first = rng.integers(3, vocab, size=args.first_in).tolist()
-    run_engine(llm.engine, [(0.0, first, SamplingParams(max_new_tokens=args.first_out, temperature=0.0,
-                                                        ignore_eos=True))])
+    steps = run_engine(llm.engine, [(0.0, first, SamplingParams(max_new_tokens=args.first_out, temperature=0.0,
+                                                                ignore_eos=True))])
     first_request_s = time.perf_counter() - call
     metrics = llm.metrics()
     result = dict(weights_s=weights_s, constructor_s=constructor_s, ready_s=metrics["ready_s"],
+                  before_serving=before_serving, first_request_step_ms=[round(s * 1e3, 1) for s in steps.wall],
                   first_request_s=first_request_s, whole_start_s=weights_s + first_request_s,
                   buckets_at_first_request=metrics["buckets_ready"],
                   buckets_total=metrics["buckets_ready"] + metrics["buckets_compiling"])
+    if args.stop_after_first:
+        llm.close()
+        result.update(background_compile_s=None, background=compile_timings([]))
+        return result
     if args.serve:
         compiling = llm.metrics()["buckets_compiling"]
         during = serve_phase(llm, args.serve, args.serve_in, args.serve_out, 0.0, vocab, rng, not args.no_progress)
         during.update(buckets_compiling_at_start=compiling, buckets_compiling_at_end=llm.metrics()["buckets_compiling"])
         result["serve_while_compiling"] = during
-    llm.wait_until_compiled()
-    result["background_compile_s"] = llm.metrics()["background_compile_s"]
+    if args.warmup == "covering":
+        began = time.perf_counter()
+        llm.engine.compile_remaining()
+        result["background_compile_s"] = time.perf_counter() - began
+    else:
+        llm.wait_until_compiled()
+        result["background_compile_s"] = llm.metrics()["background_compile_s"]
+    result["background"] = compile_timings(llm.engine.warmup.timings[len(before_serving["jobs"]):])
     if args.serve:
         result["serve_all_ready"] = serve_phase(llm, args.serve, args.serve_in, args.serve_out, 0.0, vocab, rng,
                                                 not args.no_progress)
     return result
+
+
+def compile_timings(timings: list[tuple]) -> dict:
+    """Warmup.timings summed: lowering seconds (on one thread, holding the GIL) and compile seconds (on a pool,
+    concurrent), with each program's."""
+    return dict(lower_s=sum(t[1] for t in timings), compile_s=sum(t[2] for t in timings),
+                jobs=[dict(job=" ".join(str(getattr(x, "name", x)) for x in t[0]), lower_s=round(t[1], 2),
+                           compile_s=round(t[2], 2)) for t in timings])
 
 
 def interpolated(times: dict[int, float]):
@@ -181,6 +204,41 @@ def load_phase(args) -> dict:
     return dict(gigabytes=size / 1e9, load_s=seconds, gb_per_s=size / 1e9 / seconds, page_cache_dropped=dropped)
 
 
+def lowering_phase(args) -> dict:
+    """Where a bucket's lowering and compilation go: the largest decode and prefill programs lowered under cProfile
+    (the Python functions that take the most time, own and cumulative), then compiled (no compilation cache)."""
+    import cProfile
+    import io
+    import pstats
+
+    import jaxmodels
+    from jaxmodels.step_context import StepKind
+
+    model = random_model(_config(args), args.dtype)
+    llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                        max_seq_len=args.max_seq_len, compilation_cache_dir="off", warmup="none", progress=False)
+    del model
+    programs = llm.engine.runner.programs
+    result = []
+    for kind in (StepKind.DECODE, StepKind.EXTEND):
+        job = programs.bucket_jobs(kind, programs.sizes_of(kind)[-1])[0]
+        profile = cProfile.Profile()
+        began = time.perf_counter()
+        profile.enable()
+        lowered = programs.lower(job)
+        profile.disable()
+        lower_s = time.perf_counter() - began
+        began = time.perf_counter()
+        lowered.compile()
+        compile_s = time.perf_counter() - began
+        text = io.StringIO()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(profile, stream=text).sort_stats(order).print_stats(args.profile_rows)
+        result.append(dict(job=f"{kind.name} {job[1]}", lower_s=lower_s, compile_s=compile_s,
+                           profile=text.getvalue()))
+    return dict(programs=result)
+
+
 def _drop_page_cache() -> bool:
     """Whether the kernel's page cache could be dropped (root on Linux), so that the read comes from the disk."""
     try:
@@ -214,6 +272,13 @@ def report(phase: str, result: dict) -> None:
                                ("output tok/s", "out_tok_s", ",.0f"), ("TTFT p50 ms", "ttft_p50_ms", ".0f"),
                                ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"),
                                ("host share", "host_share", ".1%")]))
+        for when in ("before_serving", "background"):
+            if when in result:
+                part = result[when]
+                print(f"{when}: {len(part['jobs'])} programs, lowering {part['lower_s']:.1f} s, compiling "
+                      f"{part['compile_s']:.1f} s (summed over threads); " +
+                      ", ".join(f"{j['job']} {j['lower_s']}+{j['compile_s']}" for j in part["jobs"][:12]))
+        print(f"first request's steps (ms): {result['first_request_step_ms']}")
         print(f"headline: ready in {result['constructor_s']:.1f} s, first request served "
               f"{result['first_request_s']:.1f} s after the LLM call ({result['whole_start_s']:.1f} s with the "
               f"weights); the other buckets compiled in {result['background_compile_s'] or 0:.1f} s")
@@ -226,6 +291,10 @@ def report(phase: str, result: dict) -> None:
         print(table(result["lists"], [("kind", "kind", "s"), ("list", "list", "s"), ("buckets", "buckets", "d"),
                                       ("mean", "mean_pad", ".1%"), ("worst", "worst_pad", ".1%"),
                                       ("sizes", "sizes", "s")]))
+    elif phase == "lowering":
+        for program in result["programs"]:
+            print(f"\n### {program['job']}: lowered in {program['lower_s']:.2f} s, compiled in "
+                  f"{program['compile_s']:.2f} s\n{program['profile']}")
     else:
         print(f"\nload: {result['gigabytes']:.1f} GB in {result['load_s']:.1f} s = {result['gb_per_s']:.2f} GB/s "
               f"(page cache {'dropped' if result['page_cache_dropped'] else 'NOT dropped'})")
@@ -238,7 +307,7 @@ def sizes(text: str) -> list[int]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jaxmodels.benchmark_startup",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("phase", choices=["start", "padding", "load"])
+    parser.add_argument("phase", choices=["start", "padding", "load", "lowering"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     parser.add_argument("--dtype", default="bfloat16")
@@ -250,6 +319,11 @@ def main(argv=None) -> None:
     parser.add_argument("--serve", type=int, default=256, help="requests of the serving runs (0: none)")
     parser.add_argument("--serve-in", type=int, default=1000)
     parser.add_argument("--serve-out", type=int, default=1000)
+    parser.add_argument("--warmup", default="background", choices=["background", "covering", "all"],
+                        help="`start`: the engine's warm-up mode ('covering': the background compilation runs after "
+                             "the first request, not during it)")
+    parser.add_argument("--stop-after-first", action="store_true",
+                        help="`start`: stop after the first request (no serving runs, no background compile time)")
     parser.add_argument("--compilation-cache", default="off", metavar="DIR",
                         help="the compilation cache of `start` ('off' by default: a cold start)")
     parser.add_argument("--decode-sizes", type=sizes, default=sizes("1,2,4,8,12,16,24,32,48,64,96,128,160,192,256"))
@@ -257,12 +331,14 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--checkpoint", default=None, help="directory of the real-size checkpoint (`load`)")
+    parser.add_argument("--profile-rows", type=int, default=30, help="`lowering`: rows of each profile table")
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.phase == "load" and not args.checkpoint:
         parser.error("load needs --checkpoint DIR")
-    result = {"start": start_phase, "padding": padding_phase, "load": load_phase}[args.phase](args)
+    result = {"start": start_phase, "padding": padding_phase, "load": load_phase,
+              "lowering": lowering_phase}[args.phase](args)
     result.update(phase=args.phase, config=args.config, layers=args.layers or "all", dtype=args.dtype)
     report(args.phase, result)
     if args.json:

@@ -81,6 +81,12 @@ def _interleaved(*orders: list) -> list:
     return out
 
 
+def _timed_compile(lowered, lower_s: float) -> tuple:
+    began = time.perf_counter()
+    executable = lowered.compile()
+    return executable, lower_s, time.perf_counter() - began
+
+
 class Warmup:
     """The compilation of a runner's buckets (see the module docstring). `status` may be read from any thread; `stop`
     ends the background work after the programs compiling at that moment, and so does the end of `owner`."""
@@ -95,6 +101,8 @@ class Warmup:
         self.ready_s: float | None = None  # from `started` until the engine could serve
         self.remaining_s: float | None = None  # how long compiling the buckets after the covering set took
         self.failures: list[str] = []  # buckets left out: batches pad up past them
+        # (job, seconds lowering, seconds compiling, before serving?) of each program compiled: where the start goes
+        self.timings: list[tuple] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         kinds = (StepKind.EXTEND, StepKind.DECODE)
@@ -182,13 +190,14 @@ class Warmup:
                     bar.update()
                 while queue and len(in_flight) <= threads and not self._stopping():
                     job = queue.pop(0)
+                    began = time.perf_counter()
                     try:
                         lowered = programs.lower(job)
                     except Exception as error:
                         failed(job, error)
                         continue
                     try:
-                        in_flight[pool.submit(lowered.compile)] = job
+                        in_flight[pool.submit(_timed_compile, lowered, time.perf_counter() - began)] = job
                     except RuntimeError:  # the interpreter is exiting: its thread pools take no more work
                         self._stop.set()
                 if not in_flight:
@@ -197,10 +206,12 @@ class Warmup:
                 for future in done:
                     job = in_flight.pop(future)
                     try:
-                        programs.store_compiled(job, future.result())
+                        executable, lower_s, compile_s = future.result()
                     except Exception as error:
                         failed(job, error)
                         continue
+                    programs.store_compiled(job, executable)
+                    self.timings.append((job, lower_s, compile_s, required))
                     for jobs in waiting.values():
                         jobs.discard(job)
 
