@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -250,6 +250,12 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "
             --compilation-cache /tmp/startcache --config bench/configs/nemotron_h_nano30b_a3b.json --serve 0 \
             --warmup $mode $([ ${run%:*} = warm ] && echo --stop-after-first) --json "$OUT/probe_${run/:/_}.json" \
             > "$OUT/probe_${run/:/_}.log" 2>&1; echo "exit $?"; grep -A8 "^### start" "$OUT/probe_${run/:/_}.log" | cut -c1-600; done ;;
+    # Prefix caching (issue 40): the multi-turn workload, caching on against off in one process, for the Nano-9B
+    # class and the DeepSeek 4-layer model (64 conversations x 6 turns, 2k-token system prompt, 200 + 128 a turn).
+    multiturn) for config in ${MULTITURN_CONFIGS:-nemotron_h_nano9b deepseek_v32_4layer}; do
+          timeout ${MULTITURN_TIMEOUT:-280} python3 -m jaxmodels bench --workload multiturn --no-progress \
+            --config "bench/configs/$config.json" --json "$OUT/multiturn_$config.json" > "$OUT/multiturn_$config.log" 2>&1
+          echo "exit $?"; grep -A6 "^### multi" "$OUT/multiturn_$config.log"; done ;;
     start_9b) timeout 250 python3 bench/startup.py start --no-progress --config bench/configs/nemotron_h_nano9b.json \
           --json "$OUT/start_9b.json" > "$OUT/start_9b.log" 2>&1; echo "exit $?"; grep -A12 "^### start" "$OUT/start_9b.log"
         timeout 150 python3 bench/startup.py load --no-progress --config bench/configs/nemotron_h_nano9b.json \

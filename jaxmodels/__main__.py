@@ -9,6 +9,10 @@ import sys
 SPECULATIVE_HELP = "draft this many tokens per step with the checkpoint's MTP layers (0: off)"
 QUANTIZATION_HELP = "an FP8 checkpoint runs in FP8 unless 'dequantize' converts its weights to --dtype on load"
 SSM_STATE_HELP = "Nemotron-H's SSM state dtype (default: the config's, float32); bfloat16 halves the state's traffic"
+PREFIX_CACHING_HELP = ("do not keep computed pages for later requests that start with the same tokens (prefix "
+                       "caching is on by default)")
+MAMBA_CACHE_SLOTS_HELP = ("recurrent-state snapshots a hybrid model keeps for prefix caching, per dp group (default: "
+                          "max-batch-size / dp; each takes what one request's Mamba state does)")
 CACHE_HELP = ("keep the compiled step programs in this directory and load them on the next start with the same "
               "model and limits; 'off' compiles without (default: $JAXMODELS_COMPILATION_CACHE_DIR, else JAX's own "
               "cache directory if set, else ~/.cache/jaxmodels/xla)")
@@ -23,7 +27,8 @@ def generate(args) -> None:
     # One request: compile only the buckets it uses instead of warming up all of them.
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=1, max_seq_len=args.max_seq_len, warmup=False,
               num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
-              mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, compilation_cache_dir=args.compilation_cache)
+              mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, compilation_cache_dir=args.compilation_cache,
+              enable_prefix_caching=not args.no_prefix_caching)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     (out,) = llm.generate([prompt], params)
@@ -61,7 +66,8 @@ def serve(args) -> None:
                    max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup,
                    num_speculative_tokens=args.num_speculative_tokens,
                    quantization=args.quantization, memory_fraction=args.memory_fraction,
-                   mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, compilation_cache_dir=args.compilation_cache)
+                   mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, compilation_cache_dir=args.compilation_cache,
+                   enable_prefix_caching=not args.no_prefix_caching, mamba_cache_slots=args.mamba_cache_slots)
     serve_forever(app, args.host, args.port)
     if failures:
         raise SystemExit(f"error: the model failed to load: {failures[0]}")
@@ -98,6 +104,7 @@ def main(argv=None) -> None:
     gen.add_argument("--quantization", choices=["dequantize"], default=None, help=QUANTIZATION_HELP)
     gen.add_argument("--mamba-ssm-cache-dtype", choices=["float32", "bfloat16"], default=None, help=SSM_STATE_HELP)
     gen.add_argument("--compilation-cache", default=None, metavar="DIR", help=CACHE_HELP)
+    gen.add_argument("--no-prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)")
     srv.add_argument("--model", required=True, help="HF checkpoint directory, or a Hugging Face Hub id")
     srv.add_argument("--served-model-name", help="the id clients send as `model` (default: --model as given)")
@@ -119,6 +126,8 @@ def main(argv=None) -> None:
                      help="requests held beyond the running batch; past that, new ones get 503")
     srv.add_argument("--mamba-ssm-cache-dtype", choices=["float32", "bfloat16"], default=None, help=SSM_STATE_HELP)
     srv.add_argument("--compilation-cache", default=None, metavar="DIR", help=CACHE_HELP)
+    srv.add_argument("--no-prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
+    srv.add_argument("--mamba-cache-slots", type=int, default=None, help=MAMBA_CACHE_SLOTS_HELP)
     srv.add_argument("--warmup", choices=["background", "all", "none"], default="background",
                      help="background (default): serve once the largest prefill and decode buckets are compiled, the "
                           "others compiling meanwhile; all: compile every bucket first; none: compile each on first "

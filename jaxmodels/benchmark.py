@@ -2,6 +2,7 @@
 
     python -m jaxmodels bench --config bench/configs/nemotron_h_nano9b.json [--compare-transformers]
     python -m jaxmodels bench --config bench/configs/deepseek_v32_4layer.json --phases prefill,decode --fp8-block
+    python -m jaxmodels bench --workload multiturn --config ...   (conversations: jaxmodels/benchmark_multiturn.py)
 
 Phases (`--phases`, all by default):
   * decode: for each concurrency B of `--batches`, B prompts of `--prompt-len` tokens submitted at once, then
@@ -362,6 +363,12 @@ def engine_limits(args, phases) -> dict:
 
 
 def main(argv=None, prog: str | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "multiturn" in [a.split("=")[-1] for a in argv if a.startswith("--workload")] + \
+            [b for a, b in zip(argv, argv[1:]) if a == "--workload"]:
+        from jaxmodels.benchmark_multiturn import main as multiturn
+
+        return multiturn(argv, prog)
     args = parse_args(argv, prog)
     phases = set(args.phases.split(","))
     with open(args.config) as f:

@@ -48,7 +48,8 @@ class LLM:
                  memory_fraction: float | None = None, matmul_precision: str | None = None, overlap: bool = True,
                  mamba_ssm_cache_dtype: str | None = None, num_speculative_tokens: int = 0,
                  quantization: str | None = None, compilation_cache_dir: str | None = None,
-                 launch_thread: bool | None = None):
+                 launch_thread: bool | None = None, enable_prefix_caching: bool = True,
+                 mamba_cache_slots: int | None = None):
         """Load `path` (an HF checkpoint directory, or `model=` an already built model) and start the engine.
 
         `dtype` is the weights' and activations' dtype and the compute precision (float32 means full float32
@@ -71,6 +72,11 @@ class LLM:
         serve (smaller batches pad up to them), and the other buckets compile in the background, each used as soon
         as it is ready (`metrics()` reports `ready_s` and `buckets_compiling`; `wait_until_compiled()` waits for
         them); "all" compiles them all first, False compiles each on first use (jaxmodels.engine.warmup).
+        `enable_prefix_caching` (on by default) keeps computed pages after their requests, so a request that starts
+        with tokens computed before (a shared system prompt, the earlier turns of a conversation) computes only
+        what follows them; a hybrid model also keeps recurrent-state snapshots (`mamba_cache_slots` per dp group,
+        default max_batch_size / dp). `metrics()` reports `prompt_tokens` and `prefix_cache_hit_tokens`
+        (jaxmodels.engine.prefix_cache).
         The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).
         """
@@ -94,7 +100,8 @@ class LLM:
                              decode_sizes=decode_sizes, mesh=mesh, memory_fraction=memory_fraction,
                              matmul_precision=matmul_precision, overlap=overlap,
                              mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
-                             num_speculative_tokens=num_speculative_tokens, launch_thread=launch_thread)
+                             num_speculative_tokens=num_speculative_tokens, launch_thread=launch_thread,
+                             enable_prefix_caching=enable_prefix_caching, mamba_cache_slots=mamba_cache_slots)
         # Over a mesh the engine holds the only copy of the weights, sharded: keeping the loaded model here would
         # keep a whole unsharded copy alive beside it.
         self.model = model if mesh is None else None

@@ -28,6 +28,14 @@ class ExtendBatch:
     prompt_lens: np.ndarray  # int32[S]
     has_prefix: np.ndarray  # bool[S]: the chunk continues a request (not its first)
     page_table: np.ndarray  # int32[S, pages_per_seq]
+    # Prefix caching of a recurrent model (engine.prefix_cache), C copies each (C = 0 otherwise; padding: 0 -> 0,
+    # the null slot): recurrent state copied from slot restore_from[i] to restore_to[i] before the step (a
+    # request resuming from a cached prefix's snapshot), and from save_from[i] to save_to[i] after it (a snapshot
+    # saved where a chunk ends).
+    restore_from: np.ndarray  # int32[C]
+    restore_to: np.ndarray  # int32[C]
+    save_from: np.ndarray  # int32[C]
+    save_to: np.ndarray  # int32[C]
 
 
 @jax.tree_util.register_dataclass
@@ -76,8 +84,18 @@ def _sampling(tables, slot_ids: np.ndarray, ends: np.ndarray) -> SamplingKnobs:
                          step=(ends - tables.prompt_len[slot_ids]).astype(np.int32))
 
 
-def extend_batch(chunks, num_tokens: int, num_seqs: int, tables) -> tuple[ExtendBatch, SamplingKnobs]:
-    """chunks: the scheduler's `Chunk`s -> the extend step's batch (num_tokens / num_seqs rows) and knobs."""
+def _state_copies(pairs: list[tuple[int, int]], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """[(from slot, to slot)] -> two int32[count] arrays, padded with null-slot copies (0 -> 0)."""
+    sources, targets = np.zeros(count, np.int32), np.zeros(count, np.int32)
+    for i, (source, target) in enumerate(pairs):
+        sources[i], targets[i] = source, target
+    return sources, targets
+
+
+def extend_batch(chunks, num_tokens: int, num_seqs: int, tables, state_copies: int = 0
+                 ) -> tuple[ExtendBatch, SamplingKnobs]:
+    """chunks: the scheduler's `Chunk`s -> the extend step's batch (num_tokens / num_seqs rows, `state_copies`
+    restores and saves of recurrent state) and knobs."""
     tokens = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     cu = np.zeros(num_seqs + 1, np.int32)
@@ -93,9 +111,13 @@ def extend_batch(chunks, num_tokens: int, num_seqs: int, tables) -> tuple[Extend
         cu[i + 1] = offset
         slot_ids[i], has_prefix[i], ends[i] = chunk.request.slot, start > 0, start + length
     cu[len(chunks) + 1:] = offset  # padded sequences are empty
+    restore_from, restore_to = _state_copies([(c.restore, c.request.slot) for c in chunks if c.restore],
+                                             state_copies)
+    save_from, save_to = _state_copies([(c.request.slot, c.save) for c in chunks if c.save], state_copies)
     batch = ExtendBatch(tokens=tokens, positions=positions, cu_seqlens=cu, slot_ids=slot_ids,
                         prompt_lens=tables.prompt_len[slot_ids], has_prefix=has_prefix,
-                        page_table=tables.page_table[slot_ids])
+                        page_table=tables.page_table[slot_ids], restore_from=restore_from, restore_to=restore_to,
+                        save_from=save_from, save_to=save_to)
     return batch, _sampling(tables, slot_ids, ends)
 
 

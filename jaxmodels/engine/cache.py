@@ -21,10 +21,16 @@ class PoolSizes:
     num_pages: int  # including the null page 0
     num_slots: int  # including the null slot 0
     pages_per_seq: int  # width of a page-table row
+    num_snapshots: int = 0  # recurrent-state slots after the request slots, kept by the prefix cache
+
+    @property
+    def state_slots(self) -> int:
+        """Rows of a recurrent-state pool: the request slots (null slot included), then the snapshots."""
+        return self.num_slots + self.num_snapshots
 
     @classmethod
     def from_limits(cls, *, max_batch_size: int, max_seq_len: int, page_size: int = 16,
-                    num_pages: int | None = None) -> "PoolSizes":
+                    num_pages: int | None = None, num_snapshots: int = 0) -> "PoolSizes":
         pages_per_seq = math.ceil(max_seq_len / page_size)
         if num_pages is None:
             num_pages = 1 + max_batch_size * pages_per_seq
@@ -33,7 +39,7 @@ class PoolSizes:
             raise ValueError(f"num_pages={num_pages} cannot hold one request of max_seq_len={max_seq_len} "
                              f"({pages_per_seq} pages of {page_size} plus the null page)")
         return cls(page_size=page_size, num_pages=num_pages, num_slots=max_batch_size + 1,
-                   pages_per_seq=pages_per_seq)
+                   pages_per_seq=pages_per_seq, num_snapshots=num_snapshots)
 
 
 def allocate_caches(shapes, shardings=None) -> dict:

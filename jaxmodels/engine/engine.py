@@ -33,6 +33,9 @@ log = logging.getLogger("jaxmodels.engine")
 MAX_SPECULATIVE_TOKENS = 8
 DEFAULT_MEMORY_FRACTION = 0.9  # of the device memory free after the weights, at most, for default-sized pools
 DEFAULT_MAX_SEQ_LEN = 4096  # unless the model's positions end sooner; longer contexts are asked for explicitly
+# Recurrent-state restores (and saves) an extend step carries with prefix caching: each copies a request's whole
+# state (tens of MB at Nemotron-H sizes) on every extend step, padding included, so few; more wait a step.
+STATE_COPIES_PER_STEP = 4
 
 
 class InvalidRequest(ValueError):
@@ -69,7 +72,8 @@ class Engine:
                  prefill_sizes: list[int] | None = None, decode_sizes: list[int] | None = None, mesh=None,
                  memory_fraction: float | None = None, overlap: bool = True, mamba_ssm_cache_dtype=None,
                  matmul_precision: str | None = None, num_speculative_tokens: int = 0,
-                 launch_thread: bool | None = None):
+                 launch_thread: bool | None = None, enable_prefix_caching: bool = True,
+                 mamba_cache_slots: int | None = None):
         """`max_seq_len` (prompt plus output tokens of one request) may go up to the model's
         `max_position_embeddings` (the YaRN-extended length where the config has YaRN); by default
         min(DEFAULT_MAX_SEQ_LEN, that).
@@ -99,6 +103,10 @@ class Engine:
         `matmul_precision` overrides the precision the model's dtype implies (see jaxmodels.precision).
         `num_speculative_tokens` k > 0 drafts k tokens per step with the model's MTP layers and verifies them in one
         step (lossless: greedy outputs are the same, sampled ones have the same distribution).
+        `enable_prefix_caching` keeps computed pages after their requests and starts a request that begins with
+        cached tokens after them (engine.prefix_cache); a hybrid (Mamba) model resumes from state snapshots, of
+        which it keeps `mamba_cache_slots` per dp group (default: max_batch_size / dp, one per request slot; each
+        costs what a request's state does, taken from the pages' memory when pools are sized by memory).
         """
         positions = model.config.max_position_embeddings
         max_seq_len = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, positions)
@@ -126,13 +134,21 @@ class Engine:
         max_prefill_tokens = prefill_sizes[-1]
         step = ModelStep(model, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, matmul_precision=matmul_precision,
                          num_speculative_tokens=k)
+        recurrent = step.recurrent
+        if mamba_cache_slots is not None and (not isinstance(mamba_cache_slots, int) or mamba_cache_slots < 0):
+            raise ValueError(f"mamba_cache_slots must be an int >= 0, got {mamba_cache_slots!r}")
+        snapshots = 0
+        if enable_prefix_caching and recurrent:
+            snapshots = group_batch if mamba_cache_slots is None else mamba_cache_slots
+        state_copies = min(STATE_COPIES_PER_STEP, snapshots)
+        self.prefix_caching = enable_prefix_caching
         # Pools per dp group: each group's slice of the (dp-split) caches is a whole pool with its null page / slot.
         # A verify step writes up to 2k positions past a request's last token, which may be k+1 past what the host
         # knows while the step before it is in flight (see Scheduler._verify_batch): the page-table rows reach that
         # far.
         row_len = max_seq_len + 3 * k + 1 if k else max_seq_len
         self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len,
-                                           page_size=page_size, num_pages=num_pages)
+                                           page_size=page_size, num_pages=num_pages, num_snapshots=snapshots)
         devices = list(mesh.devices.flat) if mesh is not None else None
         # Without a memory fraction, pools are capped by memory only in a one-process job: the processes of a
         # multi-process one may see different free memory, and their pools must have the same shapes.
@@ -142,15 +158,19 @@ class Engine:
             pages = self._pages_for_memory(step, memory_fraction, devices)
         if pages != self.sizes.num_pages:
             self.sizes = PoolSizes.from_limits(max_batch_size=group_batch, max_seq_len=row_len, page_size=page_size,
-                                               num_pages=pages)
+                                               num_pages=pages, num_snapshots=snapshots)
         log.info("engine limits: max_batch_size=%d max_seq_len=%d max_prefill_tokens=%d; pools of each of %d dp "
-                 "group(s): %d KV pages of %d tokens (page 0 null), %d state slots (slot 0 null)", max_batch_size,
-                 max_seq_len, max_prefill_tokens, dp, self.sizes.num_pages, page_size, self.sizes.num_slots)
+                 "group(s): %d KV pages of %d tokens (page 0 null), %d state slots (slot 0 null), %d state "
+                 "snapshots; prefix caching %s", max_batch_size, max_seq_len, max_prefill_tokens, dp,
+                 self.sizes.num_pages, page_size, self.sizes.num_slots, snapshots,
+                 "on" if enable_prefix_caching else "off")
         self.scheduler = GroupedScheduler(self.sizes, dp, max_batch_size=group_batch,
                                           max_prefill_tokens=max_prefill_tokens, max_seq_len=max_seq_len,
-                                          num_speculative_tokens=k)
+                                          num_speculative_tokens=k, prefix_caching=enable_prefix_caching,
+                                          recurrent=recurrent, state_copies=state_copies)
         self.runner = Runner(step, self.sizes, decode_sizes=decode_sizes, prefill_sizes=prefill_sizes,
-                             max_seqs_per_extend=group_batch, mesh=mesh, launch_thread=launch_thread)
+                             max_seqs_per_extend=group_batch, mesh=mesh, launch_thread=launch_thread,
+                             state_copies=state_copies)
         mode = warmup_mode(warmup)
         if mode == "background" and jax.process_count() > 1:
             mode = "all"  # every process must pick the same bucket for a step: see engine.warmup
@@ -281,7 +301,11 @@ class Engine:
         inside step() but not blocked on the device (with a launch thread, dispatch is that thread's and waiting for
         it counts as blocked); with overlap it runs while the device computes, so what matters is that it stays
         below the device's step time. wall_s_per_step: time per step as the caller sees it; with overlap and host
-        time below device time, that is the device's step time. ready_s: seconds from the start (the LLM call, weights
+        time below device time, that is the device's step time. kv_pages_used: pages that running requests hold
+        (cached pages among them). prompt_tokens / prefix_cache_hit_tokens: tokens that admitted requests needed in
+        the caches, and of those the ones found cached (cumulative, never reset); prefix_cache_pages /
+        prefix_cache_idle_pages / prefix_cache_snapshots: pages in the prefix cache, those of them no running
+        request holds (free for the pool to take back), and its recurrent-state snapshots. ready_s: seconds from the start (the LLM call, weights
         included) until it could serve; buckets_ready / buckets_compiling: step programs' buckets usable now and
         still to compile; background_compile_s: how long compiling the others took (None until done).
         """
@@ -299,7 +323,13 @@ class Engine:
             slots_used=slots - counts["free_slots"], slots_total=slots,
             spec_draft_tokens=t.spec_draft_tokens, spec_accepted_tokens=t.spec_accepted_tokens,
             spec_accept_rate=t.spec_accepted_tokens / t.spec_draft_tokens if t.spec_draft_tokens else 0.0,
-            **self.warmup.status())
+            prompt_tokens=counts["prompt_tokens"], prefix_cache_hit_tokens=counts["prefix_cache_hit_tokens"],
+            prefix_cache_pages=counts["prefix_cache_pages"], prefix_cache_idle_pages=counts["prefix_cache_idle_pages"],
+            prefix_cache_snapshots=counts["prefix_cache_snapshots"], **self.warmup.status())
+
+    def clear_prefix_cache(self) -> int:
+        """Free every cached page that no running request holds (and its snapshot); returns how many."""
+        return self.scheduler.clear_prefix_cache()
 
     def compile_remaining(self) -> None:
         """Compile the buckets not compiled yet, on this thread (warm-up mode "covering")."""

@@ -33,13 +33,15 @@ def concat_groups(parts: list):
 
 class StepPrograms:
     def __init__(self, programs: dict, arrays: dict, *, decode_sizes, prefill_sizes, max_seqs: int, dp: int,
-                 speculative: int, pages_per_seq: int, vocab_size: int, hidden_size: int, dtype):
+                 speculative: int, pages_per_seq: int, vocab_size: int, hidden_size: int, dtype,
+                 state_copies: int = 0):
         """`programs`: the runner's jitted programs by name (see jobs); `arrays`: its params, caches, last_tokens and
         drafts, of which only the shapes, dtypes and shardings are kept."""
         self.programs = programs
         self.abstract = jax.tree.map(abstract, arrays)
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs, self.dp, self.speculative = max_seqs, dp, speculative
+        self.state_copies = state_copies
         self.vocab_size, self.hidden_size, self.dtype = vocab_size, hidden_size, dtype
         self.example_tables = SlotTables(1, pages_per_seq)
         self._compiled: dict[tuple, object] = {}
@@ -71,7 +73,7 @@ class StepPrograms:
         """An all-padding (batch, sampling knobs) of bucket n for every group: the exact shapes and dtypes of a real
         one."""
         if kind == StepKind.EXTEND:
-            part = extend_batch([], n, self.max_seqs, self.example_tables)
+            part = extend_batch([], n, self.max_seqs, self.example_tables, self.state_copies)
         elif kind == StepKind.VERIFY:
             part = verify_batch([], n, self.example_tables)
         else:

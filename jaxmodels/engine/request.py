@@ -77,6 +77,10 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     verifying: int = 0  # speculative VERIFY steps sent whose tokens have not come back (each yields 1 to k+1)
+    # With prefix caching: the cached pages it holds (engine.prefix_cache nodes, one per page from its first; a
+    # node's page may be a copy it computed itself), and where its hybrid state is still to be saved.
+    cached: list = dataclasses.field(default_factory=list)
+    snapshot_points: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
 
     def __post_init__(self):

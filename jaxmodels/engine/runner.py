@@ -126,11 +126,13 @@ def uses_launch_thread(requested: bool | None) -> bool:
 
 class Runner:
     def __init__(self, step, sizes, *, decode_sizes, prefill_sizes, max_seqs_per_extend: int, mesh=None,
-                 launch_thread: bool | None = None):
+                 launch_thread: bool | None = None, state_copies: int = 0):
         """`sizes` are one dp group's pools. With a `mesh`, params and caches are sharded by `sharding`'s rules
         (cache pools over "dp") and the executables keep the caches' shardings from step to step. `launch_thread`:
-        see the module docstring; None turns it on in a single-process job only."""
+        see the module docstring; None turns it on in a single-process job only. `state_copies`: recurrent-state
+        restores and saves per extend step (prefix caching of a hybrid, engine.batch.ExtendBatch)."""
         self.step, self.sizes = step, sizes
+        self.state_copies = state_copies
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs = max_seqs_per_extend
         self.speculative = step.num_speculative_tokens
@@ -170,6 +172,7 @@ class Runner:
         self.programs = StepPrograms(
             programs, dict(params=self.params, caches=self.caches, last_tokens=self.last_tokens, drafts=self.drafts),
             decode_sizes=decode_sizes, prefill_sizes=prefill_sizes, max_seqs=self.max_seqs, dp=self.dp,
+            state_copies=state_copies,
             speculative=self.speculative, pages_per_seq=sizes.pages_per_seq, vocab_size=step.config.vocab_size,
             hidden_size=step.config.hidden_size, dtype=step.dtype)
         self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmodels-launch")
@@ -282,7 +285,7 @@ class Runner:
         if kind is StepKind.EXTEND:
             tokens = max(sum(chunk.length for chunk in chunks) for chunks in works)
             n = self.programs.bucket(StepKind.EXTEND, tokens)
-            parts = [extend_batch(chunks, n, self.max_seqs, t) for chunks, t in zip(works, tables)]
+            parts = [extend_batch(chunks, n, self.max_seqs, t, self.state_copies) for chunks, t in zip(works, tables)]
             if self.speculative:
                 following = np.concatenate([next_tokens(chunks, n) for chunks in works])
                 return self._send(self._run_extend_and_draft, n, *concat_groups(parts), following), self.max_seqs

@@ -18,6 +18,13 @@ token and k drafts are checked at once and 1 to k+1 tokens come back (`finish_ve
 so num_computed moves when they come back; the device keeps each slot's position itself, and while a verify step is
 in flight the next one is scheduled for the most it could have accepted (its pages, its length limit).
 
+With prefix caching (engine.prefix_cache) a request is admitted with the longest cached prefix of its tokens: the
+cached pages go into its page table, shared, and its first chunk starts after them (restoring a hybrid's recurrent
+state from the prefix's snapshot on the way). Each full page a chunk computes is cached as it is scheduled, so that
+requests arriving meanwhile share it; pages that decoding filled are cached when the request ends. A hybrid's
+chunks end at the page edges where a snapshot is due (`_snapshot_points`), and the chunk's step saves it. Cached
+pages that no request holds count as free: the pool takes them back, least recently used first, when it needs them.
+
 Host work per step is O(1) per request: requests are kept in dicts by id (admission order), and the per-slot tables
 the batches are gathered from (`SlotTables`) are updated only when a request is admitted or gets a page.
 """
@@ -29,16 +36,21 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxmodels.engine.cache import FreeList, PoolSizes
+from jaxmodels.engine.prefix_cache import PrefixCache
 from jaxmodels.engine.request import Request, RequestStatus
 from jaxmodels.step_context import StepKind
 
 
 class Chunk(NamedTuple):
-    """The tokens start .. start + length - 1 of a request, computed in one extend step."""
+    """The tokens start .. start + length - 1 of a request, computed in one extend step. `restore`: the snapshot slot
+    whose recurrent state the request's slot takes before the step (its cached prefix's); `save`: the snapshot slot
+    that takes the slot's state after it (0: none)."""
 
     request: Request
     start: int
     length: int
+    restore: int = 0
+    save: int = 0
 
 
 class SlotTables:
@@ -71,7 +83,11 @@ class SlotTables:
 
 class Scheduler:
     def __init__(self, sizes: PoolSizes, *, max_batch_size: int, max_prefill_tokens: int, max_seq_len: int,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, prefix_caching: bool = False, recurrent: bool = False,
+                 state_copies: int = 0):
+        """`prefix_caching`: keep and share computed pages (engine.prefix_cache); `recurrent`: the model keeps
+        per-slot recurrent state, which then resumes only from snapshots (`sizes.num_snapshots` slots after the
+        request slots), at most `state_copies` restores and as many saves per extend step."""
         self.sizes = sizes
         self.num_speculative_tokens = num_speculative_tokens
         self.max_batch_size = max_batch_size
@@ -85,6 +101,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_generated = 0  # tokens appended to requests' outputs
         self.blocked = False  # the last schedule() returned None because it needed a preemption it was not allowed
+        self.cache = None
+        if prefix_caching:
+            snapshots = list(range(sizes.num_slots, sizes.state_slots)) if recurrent else None
+            self.cache = PrefixCache(sizes.page_size, snapshots)
+        self.state_copies = state_copies
+        self.prompt_tokens = 0  # cumulative tokens that admissions had to have in the caches (hits included)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -124,9 +146,22 @@ class Scheduler:
     def _pages_for(self, request: Request, end: int) -> int:
         return max(0, math.ceil(end / self.sizes.page_size) - len(request.pages))
 
+    def _free_count(self, holding: list = ()) -> int:
+        """Pages a request can get now: the free ones and the cached ones no request holds, but for `holding`
+        (cached pages about to be held)."""
+        idle = self.cache.idle_pages - sum(1 for node in holding if node.refs == 0) if self.cache else 0
+        return len(self.free_pages) + idle
+
+    def _take_pages(self, n: int) -> list[int]:
+        """n free pages, taking idle cached pages back (least recently used first) when too few are free."""
+        if n > len(self.free_pages) and self.cache is not None:
+            self.free_pages.give_back(self.cache.evict(n - len(self.free_pages)))
+        return self.free_pages.take(n)
+
     def _extend_chunks(self):
         budget = self.max_prefill_tokens
         chunks = []
+        restores = saves = 0
         prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]
         for request in prefilling + list(self.waiting):
             if budget == 0 or len(chunks) == self.max_batch_size:
@@ -134,28 +169,87 @@ class Scheduler:
             admitted = request.status is RequestStatus.PREFILLING
             if not admitted and not len(self.free_slots):
                 break
-            start = request.num_computed
+            match = None
+            if not admitted and self.cache is not None:
+                # At least the last token is computed: its logits give the next one.
+                match = self.cache.match(request.token_ids, len(request.token_ids) - 1)
+                if match.snapshot is not None and restores == self.state_copies:
+                    break  # this step restores as many states as it can; the request waits for the next
+            start = match.tokens if match else request.num_computed
+            held = len(match.pages) if match else len(request.pages)
             length = min(len(request.token_ids) - start, budget)
             # Shrink the chunk to the pages that are free; the rest waits for pages to come back.
-            room = (len(request.pages) + len(self.free_pages)) * self.sizes.page_size - start
+            room = (held + self._free_count(match.pages if match else ())) * self.sizes.page_size - start
             length = min(length, room)
             if length <= 0:
                 break
+            restore = 0
             if not admitted:
-                self._admit(self.waiting.popleft())
-            self.slots.add_pages(request, self.free_pages.take(self._pages_for(request, start + length)))
-            chunks.append(Chunk(request, start, length))
+                self._admit(self.waiting.popleft(), match)
+                if match is not None and match.snapshot is not None:
+                    restore, restores = match.snapshot, restores + 1
+            point = next((p for p in request.snapshot_points if p > start), None)
+            if point is not None and start + length > point:
+                length = point - start  # the chunk ends where a snapshot is due
+            self.slots.add_pages(request, self._take_pages(self._pages_for(request, start + length)))
             budget -= length
             request.num_computed = start + length
+            chunks.append(Chunk(request, start, length, restore))
             if request.num_computed == len(request.token_ids):
                 request.status = RequestStatus.DECODING  # this chunk's sampled token is its next output
+        if self.cache is not None:
+            # Only now: no request of this step may match what this step computes (its restores run before the step,
+            # and a page's keys would be read by the step that writes them).
+            saves = 0
+            for i, chunk in enumerate(chunks):
+                chunks[i] = self._cache_chunk(chunk, may_save=saves < self.state_copies)
+                saves += chunks[i].save > 0
         return chunks
 
-    def _admit(self, request: Request) -> None:
+    def _cache_chunk(self, chunk: Chunk, may_save: bool) -> Chunk:
+        """Cache the pages `chunk` fills, and save a snapshot where one is due, if the step `may_save` one more
+        (a due snapshot not saved is skipped)."""
+        request, end = chunk.request, chunk.start + chunk.length
+        self._cache_pages(request, end)
+        if end not in request.snapshot_points:
+            return chunk
+        request.snapshot_points.remove(end)
+        slot = self.cache.snapshot_slot(request.cached[end // self.sizes.page_size - 1]) if may_save else None
+        return chunk._replace(save=slot or 0)
+
+    def _admit(self, request: Request, match=None) -> None:
         request.slot = self.free_slots.take()[0]
         request.status = RequestStatus.PREFILLING
         self.running[request.request_id] = request
         self.slots.admit(request)
+        if self.cache is None:
+            return
+        self.prompt_tokens += len(request.token_ids)
+        self.cache.hit_tokens += match.tokens
+        self.cache.hold(match.pages)
+        request.cached = list(match.pages)
+        self.slots.add_pages(request, [node.page for node in match.pages])
+        request.num_computed = match.tokens
+        request.snapshot_points = self._snapshot_points(request, match) if self.cache.recurrent else []
+
+    def _snapshot_points(self, request: Request, match) -> list[int]:
+        """Where a hybrid's state is saved as its prompt is computed (see engine.prefix_cache): the page edge
+        where it leaves the pages it shares with the cache (when no snapshot is there yet), and the last page edge
+        before its last token."""
+        size = self.sizes.page_size
+        points = {(len(request.token_ids) - 1) // size * size}
+        if match.shared > len(match.pages):
+            points.add(match.shared * size)
+        return sorted(p for p in points if p > match.tokens)
+
+    def _cache_pages(self, request: Request, end: int) -> None:
+        """Cache the request's pages that are full of known tokens below `end` (computed, or being computed by
+        steps sent before any step that reads them) and not cached yet."""
+        size = self.sizes.page_size
+        for i in range(len(request.cached), min(end, len(request.token_ids)) // size):
+            parent = request.cached[-1] if request.cached else None
+            node, _ = self.cache.insert(parent, tuple(request.token_ids[i * size: (i + 1) * size]), request.pages[i])
+            request.cached.append(node)
 
     def _decode_batch(self, can_preempt: bool):
         if self.num_speculative_tokens:
@@ -207,14 +301,14 @@ class Scheduler:
     def _grow(self, request: Request, pages: int, can_preempt: bool) -> bool | None:
         """Give `request` `pages` more pages, preempting the newest requests while too few are free: True when it
         got them, False when it was preempted itself, None when that needed a preemption `can_preempt` forbids."""
-        while pages > len(self.free_pages):
+        while pages > self._free_count():
             if not can_preempt:
                 return None
             victim = self._newest()
             self._preempt(victim)
             if victim is request:
                 return False
-        self.slots.add_pages(request, self.free_pages.take(pages))
+        self.slots.add_pages(request, self._take_pages(pages))
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -226,10 +320,27 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         del self.running[request.request_id]
-        self.free_pages.give_back(request.pages)
+        pages = request.pages
+        if self.cache is not None:
+            # Pages decoding filled join the cache too (the next turn of a conversation starts with them); what the
+            # cache holds stays there, the request's own pages (and its copies of cached ones) are freed.
+            self._cache_pages(request, request.num_computed)
+            cached = request.cached
+            pages = [page for i, page in enumerate(pages) if i >= len(cached) or cached[i].page != page]
+            self.cache.release(cached)
+            request.cached, request.snapshot_points = [], []
+        self.free_pages.give_back(pages)
         self.free_slots.give_back([request.slot])
         self.slots.clear(request.slot)
         request.pages, request.slot = [], 0
+
+    def clear_prefix_cache(self) -> int:
+        """Free the cached pages no running request holds (and their snapshots); returns how many."""
+        if self.cache is None:
+            return 0
+        pages = self.cache.clear()
+        self.free_pages.give_back(pages)
+        return len(pages)
 
     def abort(self, request: Request) -> bool:
         """Finish `request` now with reason "abort", freeing whatever it holds; False if it already finished."""
@@ -311,9 +422,22 @@ class GroupedScheduler:
         self._group_of: dict[int, int] = {}  # request id -> group
 
     def add(self, request: Request) -> None:
-        group = min(range(len(self.groups)), key=lambda g: self.groups[g].load())
+        """Queue `request` in the group with the fewest requests or, with prefix caching, in the group whose cache
+        holds most of its tokens among the groups whose load is within a quarter batch of the least loaded."""
+        loads = [group.load() for group in self.groups]
+        candidates = range(len(self.groups))
+        if len(self.groups) > 1 and self.groups[0].cache is not None:
+            slack = max(1, self.groups[0].max_batch_size // 4)
+            candidates = [g for g in candidates if loads[g] <= min(loads) + slack]
+            hits = {g: self.groups[g].cache.match(request.token_ids, len(request.token_ids) - 1).tokens
+                    for g in candidates}
+            candidates = [g for g in candidates if hits[g] == max(hits.values())]
+        group = min(candidates, key=lambda g: loads[g])
         self._group_of[request.request_id] = group
         self.groups[group].add(request)
+
+    def clear_prefix_cache(self) -> int:
+        return sum(group.clear_prefix_cache() for group in self.groups)
 
     def has_work(self) -> bool:
         return any(group.has_work() for group in self.groups)
@@ -362,6 +486,12 @@ class GroupedScheduler:
     def counts(self) -> dict:
         """Requests and pool use summed over the groups."""
         groups = self.groups
+        caches = [g.cache for g in groups if g.cache is not None]
         return dict(running=sum(len(g.running) for g in groups), waiting=sum(len(g.waiting) for g in groups),
-                    free_pages=sum(len(g.free_pages) for g in groups),
-                    free_slots=sum(len(g.free_slots) for g in groups))
+                    free_pages=sum(g._free_count() for g in groups),
+                    free_slots=sum(len(g.free_slots) for g in groups),
+                    prompt_tokens=sum(g.prompt_tokens for g in groups),
+                    prefix_cache_hit_tokens=sum(c.hit_tokens for c in caches),
+                    prefix_cache_pages=sum(len(c) for c in caches),
+                    prefix_cache_idle_pages=sum(c.idle_pages for c in caches),
+                    prefix_cache_snapshots=sum(c.snapshots for c in caches))

@@ -16,9 +16,28 @@ from flax import nnx
 
 from jaxmodels.engine import speculative
 from jaxmodels.engine.batch import DecodeBatch, ExtendBatch, VerifyBatch
+from jaxmodels.engine.cache import PoolSizes
 from jaxmodels.nnx_params import abstract_state, merge_params, model_params, param_axes, param_blocks, param_path
 from jaxmodels.precision import matmul_precision_for
 from jaxmodels.step_context import StepContext
+
+
+# Pools of one page and one slot: enough to see which caches a model has.
+_ONE_OF_EACH = PoolSizes(page_size=1, num_pages=1, num_slots=1, pages_per_seq=1)
+
+
+def _slot_fields(cache) -> list[str]:
+    """The fields of a layer's cache indexed by request slot (recurrent state), by its AXES; [] for None."""
+    return [name for name, axes in getattr(cache, "AXES", {}).items() if axes and axes[0] == "slot"]
+
+
+def copy_state_slots(caches: list, sources, targets) -> list:
+    """Each layer's recurrent state of slot sources[i] copied to slot targets[i] (int32[C]; C = 0: nothing)."""
+    if sources.shape[0] == 0:
+        return caches
+    return [dataclasses.replace(cache, **{name: getattr(cache, name).at[targets].set(getattr(cache, name)[sources])
+                                          for name in _slot_fields(cache)}) if _slot_fields(cache) else cache
+            for cache in caches]
 
 
 class ModelStep:
@@ -75,10 +94,18 @@ class ModelStep:
         model.matmul_precision = self.matmul_precision
         return model
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model keeps per-slot recurrent state (Mamba), which prefix caching must snapshot."""
+        return any(_slot_fields(cache) for cache in self.cache_shapes(_ONE_OF_EACH))
+
     def extend(self, params, caches, batch: ExtendBatch, dp_axis: str | None = None):
         """Packed chunks of prompts -> (logits of each sequence's last token [S, V], caches). `dp_axis`: the mesh
-        axis of the data-parallel groups when the step runs inside the engine's shard_map over it."""
-        return self._model(params)(batch.tokens, self._extend_context(batch, dp_axis), caches)
+        axis of the data-parallel groups when the step runs inside the engine's shard_map over it. The batch's
+        recurrent-state restores run before the model, its saves after (engine.prefix_cache)."""
+        caches = copy_state_slots(caches, batch.restore_from, batch.restore_to)
+        logits, caches = self._model(params)(batch.tokens, self._extend_context(batch, dp_axis), caches)
+        return logits, copy_state_slots(caches, batch.save_from, batch.save_to)
 
     @staticmethod
     def _extend_context(batch: ExtendBatch, dp_axis):
@@ -94,9 +121,10 @@ class ModelStep:
         """`extend` for speculative decoding: -> (logits [S, V], every token's hidden state [T, H], caches)."""
         step = self._extend_context(batch, dp_axis)
         model = self._model(params)
-        target, mtp = self._split(caches)
+        target, mtp = self._split(copy_state_slots(caches, batch.restore_from, batch.restore_to))
         hidden, target = model.forward_hidden(batch.tokens, step, target)
-        return model.logits(hidden[step.logit_rows]), hidden, target + mtp
+        caches = copy_state_slots(target + mtp, batch.save_from, batch.save_to)
+        return model.logits(hidden[step.logit_rows]), hidden, caches
 
     def draft_after_extend(self, params, caches, hidden, batch: ExtendBatch, next_tokens, sampled,
                            dp_axis: str | None = None):

@@ -139,14 +139,14 @@ class NemotronHForCausalLM(CausalLM):
 
     def cache_shapes(self, sizes, *, mamba_ssm_cache_dtype=None) -> list:
         """Per layer, the ShapeDtypeStructs of its serving cache (None for MLP / MoE blocks); `sizes` gives
-        num_pages, page_size and num_slots (engine.cache.PoolSizes)."""
+        num_pages, page_size and state_slots (engine.cache.PoolSizes)."""
         ssm_dtype = jnp.dtype(mamba_ssm_cache_dtype or self.config.mamba_ssm_cache_dtype)
         shapes = []
         for block in self.layers:
             if block.kind == "attention":
                 shapes.append(block.mixer.cache_shape(sizes.num_pages, sizes.page_size, self.dtype))
             elif block.kind == "mamba":
-                shapes.append(block.mixer.cache_shape(sizes.num_slots, self.dtype, ssm_dtype))
+                shapes.append(block.mixer.cache_shape(sizes.state_slots, self.dtype, ssm_dtype))
             else:
                 shapes.append(None)
         return shapes

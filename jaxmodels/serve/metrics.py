@@ -58,6 +58,17 @@ ENGINE_METRICS = [
     ("ready_seconds", "gauge", "Seconds from the start (weights included) until the engine could serve.", "ready_s"),
     ("buckets_ready", "gauge", "Step-program buckets compiled and in use.", "buckets_ready"),
     ("buckets_compiling", "gauge", "Step-program buckets still compiling in the background.", "buckets_compiling"),
+    ("prefix_cache_prompt_tokens_total", "counter",
+     "Tokens that admitted requests needed in the caches (prompts, and outputs again after a preemption).",
+     "prompt_tokens"),
+    ("prefix_cache_hit_tokens_total", "counter", "Of those, tokens found in the prefix cache.",
+     "prefix_cache_hit_tokens"),
+    ("prefix_cache_pages", "gauge", "KV pages held by the prefix cache (some also by running requests).",
+     "prefix_cache_pages"),
+    ("prefix_cache_idle_pages", "gauge", "Prefix-cache pages no running request holds (the pool may take them).",
+     "prefix_cache_idle_pages"),
+    ("prefix_cache_snapshots", "gauge", "Recurrent-state snapshots held by the prefix cache.",
+     "prefix_cache_snapshots"),
 ]
 
 

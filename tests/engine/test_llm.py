@@ -187,9 +187,11 @@ def test_preemption_completes_every_request(tmp_path):
         assert len(out.token_ids) == 15
         expected = hf_greedy(hf_model, prompt, 15)
         assert out.token_ids[: len(expected)] == expected
-    # Everything given back: all pages and slots free again.
+    # Everything given back: no page or slot held by a request, and the prefix cache returns its pages when asked.
     (scheduler,) = llm.engine.scheduler.groups  # one dp group
-    assert len(scheduler.free_pages) == 8 and len(scheduler.free_slots) == 4 and not scheduler.has_work()
+    assert scheduler._free_count() == 8 and len(scheduler.free_slots) == 4 and not scheduler.has_work()
+    llm.engine.clear_prefix_cache()
+    assert len(scheduler.free_pages) == 8
 
 
 def test_bad_input_is_rejected_and_others_finish(dense):

@@ -55,10 +55,10 @@ def test_chunked_prefill_respects_the_token_budget_and_batch_limit():
     for r in (a, b, c):
         s.add(r)
     kind, chunks = s.schedule()
-    assert kind == "extend" and [(r.request_id, st, n) for r, st, n in chunks] == [(0, 0, 6)]
+    assert kind == "extend" and [(r.request_id, st, n) for r, st, n, *_ in chunks] == [(0, 0, 6)]
     s.finish_extend(chunks, [0])
     kind, chunks = s.schedule()  # a's rest (4) then 2 of b's 3 tokens; c waits for a slot
-    assert [(r.request_id, st, n) for r, st, n in chunks] == [(0, 6, 4), (1, 0, 2)]
+    assert [(r.request_id, st, n) for r, st, n, *_ in chunks] == [(0, 6, 4), (1, 0, 2)]
     s.finish_extend(chunks, [7, 0])
     assert a.output == [7] and a.decoding and b.output == [] and a.num_computed == 10
     assert len(a.pages) == 3 and a.slot != 0 and b.slot not in (0, a.slot)
@@ -69,7 +69,7 @@ def test_decode_preempts_the_newest_request_when_pages_run_out():
     a, b = request(0, 8, max_new_tokens=8), request(1, 7, max_new_tokens=8)
     s.add(a), s.add(b)
     kind, chunks = s.schedule()
-    assert [n for _, _, n in chunks] == [8]  # b would need pages a took; budget is 8 anyway
+    assert [n for _, _, n, *_ in chunks] == [8]  # b would need pages a took; budget is 8 anyway
     s.finish_extend(chunks, [5])
     kind, chunks = s.schedule()
     s.finish_extend(chunks, [6])

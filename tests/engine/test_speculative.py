@@ -161,3 +161,17 @@ def test_preemption_with_speculation_is_lossless(tmp_path, launch_thread):
     outputs = [out.token_ids for out in llm.generate(prompts, params)]
     assert llm.metrics()["preemptions"] > 0
     assert outputs == greedy_by_full_forward(llm.model, prompts, 24)
+
+
+def test_speculation_resumes_from_cached_prefixes(nemotron_partial):
+    """Prefix caching under speculation: later prompts resume from an earlier one's pages and state snapshot (the
+    MTP layer's cache pages come with them), and greedy tokens stay the model's."""
+    llm = nemotron_partial
+    rng = np.random.default_rng(9)
+    shared = rng.integers(3, 97, size=20).tolist()
+    prompts = [shared + rng.integers(3, 97, size=n).tolist() for n in (5, 7, 9)]
+    before = llm.metrics()["prefix_cache_hit_tokens"]
+    outputs = [out.token_ids for out in llm.generate(prompts[:1], GREEDY)]
+    outputs += [out.token_ids for out in llm.generate(prompts[1:], GREEDY)]
+    assert llm.metrics()["prefix_cache_hit_tokens"] - before >= 2 * 16
+    assert outputs == greedy_by_full_forward(llm.model, prompts, NEW_TOKENS)

@@ -198,3 +198,12 @@ def test_metrics_are_prometheus_text(server):
     assert families["jaxmodels_ready_seconds"].samples[0].value > 0
     assert families["jaxmodels_buckets_ready"].samples[0].value == 2  # one prefill and one decode bucket
     assert families["jaxmodels_buckets_compiling"].samples[0].value == 0
+    # A 40-token prompt twice: the second finds the first's two full pages (and the state snapshot after them).
+    hits = families["jaxmodels_prefix_cache_hit_tokens"].samples[0].value
+    for _ in range(2):
+        server.client.completions.create(model=MODEL, prompt=list(range(3, 43)), max_tokens=2)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    assert families["jaxmodels_prefix_cache_prompt_tokens"].type == "counter"
+    assert families["jaxmodels_prefix_cache_hit_tokens"].samples[0].value - hits >= 32
+    for name in ["prefix_cache_pages", "prefix_cache_idle_pages", "prefix_cache_snapshots"]:
+        assert families[f"jaxmodels_{name}"].type == "gauge", name

@@ -1,0 +1,167 @@
+"""Prefix caching on the host: pages of computed tokens kept after their requests and found again by content.
+
+A page of page_size tokens holds the caches (KV, MLA latent, indexer keys) of those tokens, which depend only on the
+tokens from the start of the sequence to the page's end. So a full page is keyed by its tokens and its parent page
+(the page before it): the cache is a tree whose paths from the root are token prefixes, one page per node. Pages
+in the tree are shared read-only by the requests that match them (a request writes only past its match, which ends
+on a page edge); a page held by no request stays cached until the pool needs it, and is then evicted least
+recently used. Leaves go first: a request that used a page used every page before it, and releasing touches a
+path from its leaf up to the root, so a parent is never older than its children.
+
+A recurrent layer (Mamba) has no pages: its state after token t holds the whole prefix. A hybrid model can resume
+only where a state was saved, so a node may also hold a state snapshot (a slot of the state pools set aside for
+the cache), and a hybrid's match ends at the deepest matched node with one. Snapshots are saved where later
+prompts are likely to resume: at the last page edge before a prompt's last token (the next turn of a conversation
+resumes there, and so does the same prompt sent again), and at the page edge where a prompt leaves the longest
+prefix it shares with the cache without a snapshot (a shared system prompt's end: the first request that shares it
+saves the state there, and every later one resumes from it). Snapshots have their own pool, evicted least
+recently used, and go with their node's page.
+
+Everything here is host bookkeeping; the device copies between request slots and snapshot slots ride on the
+extend steps' batches (engine.batch.StateCopies).
+"""
+
+import collections
+import dataclasses
+import itertools
+
+
+@dataclasses.dataclass(eq=False)
+class CachedPage:
+    """A node of the tree: the page holding the tokens `tokens` after its parent's, for as many requests as hold it
+    (refs); `snapshot`: a snapshot slot holding the recurrent state after this page's last token, or None."""
+
+    node_id: int
+    parent: "CachedPage | None"
+    tokens: tuple
+    page: int
+    depth: int  # pages from the root, this one included: the prefix ends at depth * page_size tokens
+    refs: int = 0
+    children: int = 0
+    snapshot: int | None = None
+
+
+@dataclasses.dataclass
+class Match:
+    """What a prompt finds in the cache: `pages` (the tree path, root first) it can reuse, covering `tokens`
+    tokens, and the snapshot slot to resume the recurrent state from (None: no recurrent state, or nothing matched).
+    `shared`: how many pages of the prompt the tree holds, past a hybrid's last snapshot too (where a snapshot would
+    let the next prompt resume)."""
+
+    pages: list
+    tokens: int
+    snapshot: int | None
+    shared: int
+
+
+class PrefixCache:
+    def __init__(self, page_size: int, snapshot_slots: list[int] | None):
+        """`snapshot_slots`: the state-pool slots set aside for snapshots, or None for a model without recurrent
+        state (its matches need no snapshot)."""
+        self.page_size = page_size
+        self.recurrent = snapshot_slots is not None
+        self._ids = itertools.count(1)
+        self._children: dict[tuple, CachedPage] = {}  # (parent node id or 0, tokens) -> node
+        self._idle: collections.OrderedDict[int, CachedPage] = collections.OrderedDict()  # refs == 0, oldest first
+        self._free_snapshots = list(snapshot_slots or [])
+        self._snapshots: collections.OrderedDict[int, CachedPage] = collections.OrderedDict()  # slot -> node, LRU
+        self.hit_tokens = 0  # cumulative tokens matched by admitted requests
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    @property
+    def idle_pages(self) -> int:
+        """Cached pages no running request holds: the pool can take them back."""
+        return len(self._idle)
+
+    @property
+    def snapshots(self) -> int:
+        return len(self._snapshots)
+
+    def match(self, token_ids: list[int], limit: int) -> Match:
+        """The longest cached prefix of token_ids[:limit] (whole pages), ending where a request can resume."""
+        size, parent, path = self.page_size, None, []
+        for start in range(0, limit - size + 1, size):
+            node = self._children.get((parent.node_id if parent else 0, tuple(token_ids[start: start + size])))
+            if node is None:
+                break
+            path.append(node)
+            parent = node
+        shared = len(path)
+        if self.recurrent:
+            while path and path[-1].snapshot is None:
+                path.pop()
+        snapshot = path[-1].snapshot if path and self.recurrent else None
+        return Match(pages=path, tokens=len(path) * size, snapshot=snapshot, shared=shared)
+
+    def hold(self, pages: list) -> None:
+        """A request starts using `pages` (a path from the root): they leave the idle list."""
+        for node in pages:
+            if node.refs == 0:
+                del self._idle[node.node_id]
+            node.refs += 1
+            if node.snapshot is not None:
+                self._snapshots.move_to_end(node.snapshot)
+
+    def release(self, pages: list) -> None:
+        """A request stops using `pages` (a path from the root): those it was the last to hold become idle, the
+        leaf end first, so that they are evicted before their parents."""
+        for node in reversed(pages):
+            node.refs -= 1
+            if node.refs == 0:
+                self._idle[node.node_id] = node
+
+    def insert(self, parent: CachedPage | None, tokens: tuple, page: int) -> tuple[CachedPage, bool]:
+        """Cache `page`, holding `tokens` after `parent`'s, for the request that computed it (which holds it):
+        (its node, True); or, when the tree has these tokens already (another request computed them at the same
+        time), (that node, held now, False), and `page` stays the request's own."""
+        key = (parent.node_id if parent else 0, tokens)
+        node = self._children.get(key)
+        if node is not None:
+            self.hold([node])
+            return node, False
+        node = CachedPage(next(self._ids), parent, tokens, page, (parent.depth if parent else 0) + 1, refs=1)
+        self._children[key] = node
+        if parent is not None:
+            parent.children += 1
+        return node, True
+
+    def evict(self, count: int) -> list[int]:
+        """Take back up to `count` idle pages, least recently used first (leaves before their parents): their page
+        ids, now free, and their snapshots freed."""
+        pages = []
+        while len(pages) < count and self._idle:
+            _, node = self._idle.popitem(last=False)
+            assert node.children == 0, "an idle page with cached children was evicted first"
+            del self._children[(node.parent.node_id if node.parent else 0, node.tokens)]
+            if node.parent is not None:
+                node.parent.children -= 1
+            self._drop_snapshot(node)
+            pages.append(node.page)
+        return pages
+
+    def snapshot_slot(self, node: CachedPage) -> int | None:
+        """A snapshot slot for the state after `node`'s last token, from the free ones or the least recently used
+        snapshot's; None when the node has one already (or the model keeps no recurrent state)."""
+        if not self.recurrent or node.snapshot is not None:
+            return None
+        if not self._free_snapshots:
+            if not self._snapshots:
+                return None
+            _, oldest = self._snapshots.popitem(last=False)
+            self._free_snapshots.append(oldest.snapshot)
+            oldest.snapshot = None
+        node.snapshot = self._free_snapshots.pop()
+        self._snapshots[node.snapshot] = node
+        return node.snapshot
+
+    def _drop_snapshot(self, node: CachedPage) -> None:
+        if node.snapshot is not None:
+            del self._snapshots[node.snapshot]
+            self._free_snapshots.append(node.snapshot)
+            node.snapshot = None
+
+    def clear(self) -> list[int]:
+        """Evict every idle page (with its snapshot); returns their page ids."""
+        return self.evict(len(self._idle))
