@@ -305,9 +305,10 @@ class Engine:
         (cached pages among them). prompt_tokens / prefix_cache_hit_tokens: tokens that admitted requests needed in
         the caches, and of those the ones found cached (cumulative, never reset); prefix_cache_pages /
         prefix_cache_idle_pages / prefix_cache_snapshots: pages in the prefix cache, those of them no running
-        request holds (free for the pool to take back), and its recurrent-state snapshots. ready_s: seconds from the start (the LLM call, weights
-        included) until it could serve; buckets_ready / buckets_compiling: step programs' buckets usable now and
-        still to compile; background_compile_s: how long compiling the others took (None until done).
+        request holds (free for the pool to take back), and its recurrent-state snapshots. ready_s: seconds from
+        the start (the LLM call, weights included) until it could serve; buckets_ready / buckets_compiling: step
+        programs' buckets usable now and still to compile; background_compile_s: how long compiling the others took
+        (None until done).
         """
         t, counts = self.times, self.scheduler.counts()
         steps = max(t.steps, 1)

@@ -12,10 +12,11 @@ A recurrent layer (Mamba) has no pages: its state after token t holds the whole 
 only where a state was saved, so a node may also hold a state snapshot (a slot of the state pools set aside for
 the cache), and a hybrid's match ends at the deepest matched node with one. Snapshots are saved where later
 prompts are likely to resume: at the last page edge before a prompt's last token (the next turn of a conversation
-resumes there, and so does the same prompt sent again), and at the page edge where a prompt leaves the longest
-prefix it shares with the cache without a snapshot (a shared system prompt's end: the first request that shares it
-saves the state there, and every later one resumes from it). Snapshots have their own pool, evicted least
-recently used, and go with their node's page.
+resumes there, and so does the same prompt sent again), and at the page edge where a prompt leaves a cached path
+that goes on with other tokens, if no snapshot is there (a shared system prompt's end: the second request that
+shares it saves the state there, and every later one resumes from it). Not where a prompt merely extends a cached
+path (a conversation's next turn after the previous answer's pages): nothing else would resume there. Snapshots
+have their own pool, evicted least recently used, and go with their node's page.
 
 Everything here is host bookkeeping; the device copies between request slots and snapshot slots ride on the
 extend steps' batches (engine.batch.StateCopies).
@@ -45,13 +46,15 @@ class CachedPage:
 class Match:
     """What a prompt finds in the cache: `pages` (the tree path, root first) it can reuse, covering `tokens`
     tokens, and the snapshot slot to resume the recurrent state from (None: no recurrent state, or nothing matched).
-    `shared`: how many pages of the prompt the tree holds, past a hybrid's last snapshot too (where a snapshot would
-    let the next prompt resume)."""
+    `shared`: how many pages of the prompt the tree holds, past a hybrid's last snapshot too; `parts`: whether the
+    prompt leaves there a path the tree goes on with (the last shared page has cached pages after it: another
+    prompt's continuation), which makes that page edge a place later prompts will resume from."""
 
     pages: list
     tokens: int
     snapshot: int | None
     shared: int
+    parts: bool = False
 
 
 class PrefixCache:
@@ -88,12 +91,12 @@ class PrefixCache:
                 break
             path.append(node)
             parent = node
-        shared = len(path)
+        shared, parts = len(path), bool(path) and path[-1].children > 0
         if self.recurrent:
             while path and path[-1].snapshot is None:
                 path.pop()
         snapshot = path[-1].snapshot if path and self.recurrent else None
-        return Match(pages=path, tokens=len(path) * size, snapshot=snapshot, shared=shared)
+        return Match(pages=path, tokens=len(path) * size, snapshot=snapshot, shared=shared, parts=parts)
 
     def hold(self, pages: list) -> None:
         """A request starts using `pages` (a path from the root): they leave the idle list."""

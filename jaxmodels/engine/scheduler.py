@@ -234,11 +234,11 @@ class Scheduler:
 
     def _snapshot_points(self, request: Request, match) -> list[int]:
         """Where a hybrid's state is saved as its prompt is computed (see engine.prefix_cache): the page edge
-        where it leaves the pages it shares with the cache (when no snapshot is there yet), and the last page edge
-        before its last token."""
+        where it parts from a cached path (when no snapshot is there yet), and the last page edge before its last
+        token."""
         size = self.sizes.page_size
         points = {(len(request.token_ids) - 1) // size * size}
-        if match.shared > len(match.pages):
+        if match.parts and match.shared > len(match.pages):
             points.add(match.shared * size)
         return sorted(p for p in points if p > match.tokens)
 

@@ -129,6 +129,17 @@ def test_a_hybrid_saves_snapshots_where_prompts_part_and_before_the_last_token_t
     assert [(c.start, c.length, c.restore > 0, c.save > 0) for c in turn] == [(8, 4, True, True), (12, 4, False, False)]
 
 
+def test_a_next_turn_saves_no_snapshot_where_the_previous_answer_ends():
+    s = make_scheduler()
+    prompt = tokens(13)
+    answer = [60, 61, 62, 63, 64, 65, 66]
+    run_prompt(s, 0, prompt, answer)  # its answer's first full page (tokens 12-15) is cached when it ends
+    turn = run_prompt(s, 1, prompt + answer + [90, 91, 92], [67])
+    # It shares four pages and resumes at 12 (the snapshot); page 16 only extends that path: no snapshot there.
+    assert [(c.start, c.length, c.restore > 0, c.save > 0) for c in turn] == [(12, 8, True, True),
+                                                                              (20, 3, False, False)]
+
+
 def test_attention_only_models_resume_at_any_cached_page_and_chunks_are_not_cut():
     s = make_scheduler(recurrent=False)
     system = tokens(9)
