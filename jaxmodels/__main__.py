@@ -12,7 +12,7 @@ SSM_STATE_HELP = "Nemotron-H's SSM state dtype (default: the config's, float32);
 PREFIX_CACHING_HELP = ("do not keep computed pages for later requests that start with the same tokens (prefix "
                        "caching is on by default)")
 MAMBA_CACHE_SLOTS_HELP = ("recurrent-state snapshots a hybrid model keeps for prefix caching, per dp group (default: "
-                          "max-batch-size / dp; each takes what one request's Mamba state does)")
+                          "1.25 x max-batch-size / dp; each takes what one request's Mamba state does)")
 CACHE_HELP = ("keep the compiled step programs in this directory and load them on the next start with the same "
               "model and limits; 'off' compiles without (default: $JAXMODELS_COMPILATION_CACHE_DIR, else JAX's own "
               "cache directory if set, else ~/.cache/jaxmodels/xla)")

@@ -75,7 +75,7 @@ class LLM:
         `enable_prefix_caching` (on by default) keeps computed pages after their requests, so a request that starts
         with tokens computed before (a shared system prompt, the earlier turns of a conversation) computes only
         what follows them; a hybrid model also keeps recurrent-state snapshots (`mamba_cache_slots` per dp group,
-        default max_batch_size / dp). `metrics()` reports `prompt_tokens` and `prefix_cache_hit_tokens`
+        default 1.25 x max_batch_size / dp). `metrics()` reports `prompt_tokens` and `prefix_cache_hit_tokens`
         (jaxmodels.engine.prefix_cache).
         The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).

@@ -72,8 +72,8 @@ def pages_within(budget_bytes: int, cache_shapes, sizes: PoolSizes) -> int:
     if pages - 1 < sizes.pages_per_seq:
         raise ValueError(f"a cache budget of {budget_bytes / 2**20:.1f} MiB holds {max(pages, 0)} pages of "
                          f"{per_page / 2**10:.1f} KiB beside {fixed / 2**20:.1f} MiB of state slots: not enough for "
-                         f"one request of {sizes.pages_per_seq} pages; lower max_seq_len or max_batch_size, or "
-                         "raise memory_fraction")
+                         f"one request of {sizes.pages_per_seq} pages; lower max_seq_len, max_batch_size or "
+                         "mamba_cache_slots (prefix caching's state snapshots), or raise memory_fraction")
     return int(pages)
 
 

@@ -159,6 +159,18 @@ class PrefixCache:
         self._snapshots[node.snapshot] = node
         return node.snapshot
 
+    def supersede(self, node: CachedPage) -> None:
+        """A snapshot was just saved at `node`: the snapshots above it on its path whose page has one continuation
+        only (no other prompt parted there) are now of use only to a prompt that would part inside this path, so
+        they become the first to be reused. Without this, a conversation's snapshot of its previous turn, touched
+        when the current turn resumed from it, outlives the latest turn's snapshot of a conversation that has not
+        come back yet."""
+        node = node.parent
+        while node is not None:
+            if node.snapshot is not None and node.children <= 1:
+                self._snapshots.move_to_end(node.snapshot, last=False)
+            node = node.parent
+
     def _drop_snapshot(self, node: CachedPage) -> None:
         if node.snapshot is not None:
             del self._snapshots[node.snapshot]

@@ -214,7 +214,10 @@ class Scheduler:
         if end not in request.snapshot_points:
             return chunk
         request.snapshot_points.remove(end)
-        slot = self.cache.snapshot_slot(request.cached[end // self.sizes.page_size - 1]) if may_save else None
+        node = request.cached[end // self.sizes.page_size - 1]
+        slot = self.cache.snapshot_slot(node) if may_save else None
+        if slot:
+            self.cache.supersede(node)
         return chunk._replace(save=slot or 0)
 
     def _admit(self, request: Request, match=None) -> None:

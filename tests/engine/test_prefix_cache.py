@@ -82,6 +82,25 @@ def test_snapshots_are_reused_least_recently_used_and_go_with_their_page():
         cache.insert(None, (3,) * PAGE, page=3)[0]) == 20
 
 
+def test_a_snapshot_superseded_on_an_unbranched_path_is_reused_first():
+    cache = PrefixCache(PAGE, snapshot_slots=[1, 2, 3])
+    a1, _ = cache.insert(None, (1,) * PAGE, page=1)  # conversation A's first turn
+    b1, _ = cache.insert(None, (2,) * PAGE, page=2)  # conversation B's
+    cache.snapshot_slot(a1), cache.snapshot_slot(b1)
+    cache.hold([a1])  # A's next turn resumes from a1 (touching it: B's is now the least recently used)...
+    a2, _ = cache.insert(a1, (3,) * PAGE, page=3)
+    cache.snapshot_slot(a2)  # ... and saves its own after it
+    cache.supersede(a2)
+    c1, _ = cache.insert(None, (4,) * PAGE, page=4)
+    cache.snapshot_slot(c1)
+    assert a1.snapshot is None and b1.snapshot is not None  # B's next turn still finds its snapshot
+    shared, _ = cache.insert(None, (5,) * PAGE, page=5)  # a system prompt's end, two prompts after it
+    cache.insert(shared, (6,) * PAGE, page=6), cache.insert(shared, (7,) * PAGE, page=7)
+    cache.snapshot_slot(shared)
+    cache.supersede(cache.insert(shared, (8,) * PAGE, page=8)[0])
+    assert list(cache._snapshots)[-1] == shared.snapshot  # parted there: not superseded
+
+
 def make_scheduler(num_pages=12, recurrent=True, budget=64, snapshots=3, max_seq_len=32):
     sizes = PoolSizes.from_limits(max_batch_size=2, max_seq_len=max_seq_len, page_size=PAGE, num_pages=num_pages,
                                   num_snapshots=snapshots if recurrent else 0)
