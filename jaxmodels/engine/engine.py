@@ -20,7 +20,7 @@ import time
 import jax
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
-from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, reports_memory
+from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, reports_memory, total_bytes
 from jaxmodels.engine.request import Request, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import GroupedScheduler
@@ -36,6 +36,16 @@ DEFAULT_MAX_SEQ_LEN = 4096  # unless the model's positions end sooner; longer co
 # Recurrent-state restores (and saves) an extend step carries with prefix caching: each copies a request's whole
 # state (tens of MB at Nemotron-H sizes) on every extend step, padding included, so few; more wait a step.
 STATE_COPIES_PER_STEP = 4
+# At most this share of the pools' memory budget goes to the default number of state snapshots.
+SNAPSHOT_MEMORY_SHARE = 0.25
+
+
+def _fraction(memory_fraction: float | None) -> float:
+    """The share of the device memory left after the weights that the pools may take."""
+    fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
+    if not 0 < fraction < 1:
+        raise ValueError(f"memory_fraction must be in (0, 1), got {memory_fraction}")
+    return fraction
 
 
 def default_snapshots(group_batch: int) -> int:
@@ -113,8 +123,9 @@ class Engine:
         step (lossless: greedy outputs are the same, sampled ones have the same distribution).
         `enable_prefix_caching` keeps computed pages after their requests and starts a request that begins with
         cached tokens after them (engine.prefix_cache); a hybrid (Mamba) model resumes from state snapshots, of
-        which it keeps `mamba_cache_slots` per dp group (default: `default_snapshots`, 1.25 per request slot; each
-        costs what a request's state does, taken from the pages' memory when pools are sized by memory).
+        which it keeps `mamba_cache_slots` per dp group (default: `default_snapshots`, 1.25 per request slot, and
+        where pools are sized by memory at most SNAPSHOT_MEMORY_SHARE of it; each costs what a request's state
+        does, taken from the pages' memory).
         """
         positions = model.config.max_position_embeddings
         max_seq_len = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, positions)
@@ -148,7 +159,6 @@ class Engine:
         snapshots = 0
         if enable_prefix_caching and recurrent:
             snapshots = default_snapshots(group_batch) if mamba_cache_slots is None else mamba_cache_slots
-        state_copies = min(STATE_COPIES_PER_STEP, snapshots)
         self.prefix_caching = enable_prefix_caching
         # Pools per dp group: each group's slice of the (dp-split) caches is a whole pool with its null page / slot.
         # A verify step writes up to 2k positions past a request's last token, which may be k+1 past what the host
@@ -161,6 +171,10 @@ class Engine:
         # Without a memory fraction, pools are capped by memory only in a one-process job: the processes of a
         # multi-process one may see different free memory, and their pools must have the same shapes.
         capped = jax.process_count() == 1 and reports_memory(devices)
+        if mamba_cache_slots is None and snapshots and (memory_fraction is not None or capped):
+            snapshots = self._snapshots_for_memory(step, memory_fraction, devices)
+            self.sizes = dataclasses.replace(self.sizes, num_snapshots=snapshots)
+        state_copies = min(STATE_COPIES_PER_STEP, snapshots)
         pages = self.sizes.num_pages
         if num_pages is None and (memory_fraction is not None or capped):
             pages = self._pages_for_memory(step, memory_fraction, devices)
@@ -193,14 +207,25 @@ class Engine:
         self.last_launch: tuple[StepKind, int] | None = None  # (kind, rows) of the last step the last step() sent
         self.times = StepTimes()
 
+    def _snapshots_for_memory(self, step, memory_fraction, devices) -> int:
+        """The default snapshot count (`self.sizes`), lowered to what SNAPSHOT_MEMORY_SHARE of the pools' memory
+        budget holds: a default must not leave a large batch too few pages, or fail where it fit before."""
+        budget = _fraction(memory_fraction) * free_device_memory(devices)
+        per_snapshot = (total_bytes(step.cache_shapes(dataclasses.replace(self.sizes, num_snapshots=1)))
+                        - total_bytes(step.cache_shapes(dataclasses.replace(self.sizes, num_snapshots=0))))
+        fit = int(SNAPSHOT_MEMORY_SHARE * budget // per_snapshot)
+        if fit < self.sizes.num_snapshots:
+            log.info("prefix caching keeps %d state snapshots of %.0f MiB (%d%% of the pools' memory) instead of %d; "
+                     "mamba_cache_slots sets the count", fit, per_snapshot / 2**20, 100 * SNAPSHOT_MEMORY_SHARE,
+                     self.sizes.num_snapshots)
+        return min(fit, self.sizes.num_snapshots)
+
     def _pages_for_memory(self, step, memory_fraction, devices) -> int:
         """Pages (null page included) in `memory_fraction` of the memory left after the weights; without one, the
         pages of the full pools (`self.sizes`: max_batch_size requests of max_seq_len) capped at
         DEFAULT_MEMORY_FRACTION of it (a long max_seq_len then shares fewer pages among the requests, which the
         scheduler handles by waiting or preempting)."""
-        fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
-        if not 0 < fraction < 1:
-            raise ValueError(f"memory_fraction must be in (0, 1), got {memory_fraction}")
+        fraction = _fraction(memory_fraction)
         # A device holds its group's pools; sized as if they were whole on it: safe, if low, where KV pages split
         # over tp.
         pages = pages_within(int(fraction * free_device_memory(devices)), step.cache_shapes, self.sizes)

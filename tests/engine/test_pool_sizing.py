@@ -1,5 +1,7 @@
 """Cache pools sized from a memory budget: pages fill the budget left after the state slots."""
 
+import dataclasses
+
 import pytest
 
 import jaxmodels
@@ -47,3 +49,18 @@ def test_llm_sizes_pages_from_memory_fraction(checkpoint, monkeypatch):
     assert sizes.num_pages == expected > 1 + 4 * 4  # more than the limits alone would give
     out = llm.generate([[5, 6, 7]], jaxmodels.SamplingParams(max_new_tokens=3))
     assert len(out[0].token_ids) == 3
+
+
+def test_default_state_snapshots_take_at_most_a_quarter_of_the_budget(checkpoint, monkeypatch):
+    """Prefix caching's default snapshot count (1.25 per request slot: 5 here) shrinks to what a quarter of the
+    pools' memory holds; a count given explicitly is kept."""
+    step = ModelStep(jaxmodels.load_model(checkpoint, progress=False))
+    sizes = PoolSizes.from_limits(max_batch_size=4, max_seq_len=16)
+    per_snapshot = (total_bytes(step.cache_shapes(dataclasses.replace(sizes, num_snapshots=1)))
+                    - total_bytes(step.cache_shapes(sizes)))
+    budget = int(4 * 2.5 * per_snapshot)  # a quarter holds two and a half
+    monkeypatch.setattr("jaxmodels.engine.engine.free_device_memory", lambda devices=None: 2 * budget)
+    limits = dict(dtype="float32", max_batch_size=4, max_seq_len=16, memory_fraction=0.5, warmup=False,
+                  progress=False)
+    assert jaxmodels.LLM(checkpoint, **limits).engine.sizes.num_snapshots == 2
+    assert jaxmodels.LLM(checkpoint, mamba_cache_slots=3, **limits).engine.sizes.num_snapshots == 3
