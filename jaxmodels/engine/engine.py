@@ -33,9 +33,12 @@ log = logging.getLogger("jaxmodels.engine")
 MAX_SPECULATIVE_TOKENS = 8
 DEFAULT_MEMORY_FRACTION = 0.9  # of the device memory free after the weights, at most, for default-sized pools
 DEFAULT_MAX_SEQ_LEN = 4096  # unless the model's positions end sooner; longer contexts are asked for explicitly
-# Recurrent-state restores (and saves) an extend step carries with prefix caching: each copies a request's whole
-# state (tens of MB at Nemotron-H sizes) on every extend step, padding included, so few; more wait a step.
-STATE_COPIES_PER_STEP = 4
+# Recurrent-state restores (and saves) an extend step carries with prefix caching; a request whose restore does not
+# fit waits a step. Each copies a request's whole state on every extend step, padding included (8 restores and 8
+# saves move 4.6 GB at the Nano-9B class's 143 MB of state, ~1 ms of an extend step's tens). With 4, the 64
+# conversations of the multi-turn benchmark resuming at once need 16 extend steps where their tokens fill 11 (by
+# count; not yet profiled).
+STATE_COPIES_PER_STEP = 8
 # At most this share of the pools' memory budget goes to the default number of state snapshots.
 SNAPSHOT_MEMORY_SHARE = 0.25
 
