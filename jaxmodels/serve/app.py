@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health and Prometheus metrics.
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, tokenize / detokenize, health and
+Prometheus metrics.
 
 Requests are validated and tokenized on the event loop, then handed to the engine thread (`EngineWorker`); their
 tokens come back as text deltas (`Generation`), streamed as server-sent events or collected into one response.
@@ -19,7 +20,8 @@ from starlette.exceptions import HTTPException
 from jaxmodels.serve.chat_template import ChatTemplate, ChatTemplateError
 from jaxmodels.serve.generation import Generation, Rejection
 from jaxmodels.serve.metrics import ServerStats, prometheus_text
-from jaxmodels.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from jaxmodels.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      TokenizeRequest, validation_error)
 from jaxmodels.serve.responses import ChatResponses, CompletionResponses, sse, usage
 from jaxmodels.serve.worker import EngineWorker
 
@@ -81,6 +83,21 @@ class _Server:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer.json: send the prompt as token ids", param="prompt")
         return self.tokenizer.encode(prompt).ids  # with the tokenizer's special tokens, as LLM.generate encodes
+
+    def chat_prompt(self, body) -> list[int]:
+        """The token ids of a chat request's `messages`, rendered through the chat template (APIError 400 without
+        one, or when the template refuses them)."""
+        if self.chat_template is None or self.tokenizer is None:
+            raise APIError(400, "this model has no chat template (neither chat_template in tokenizer_config.json "
+                                "nor chat_template.jinja, or no tokenizer.json): use /v1/completions",
+                           param="messages")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
+                                             **(body.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from e
+        return self.tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote them
 
     def check_stops(self, stops: list[str]) -> list[str]:
         if stops and self.tokenizer is None:
@@ -221,16 +238,7 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
         server.require_engine()
-        if server.chat_template is None or server.tokenizer is None:
-            raise APIError(400, "this model has no chat template (neither chat_template in tokenizer_config.json "
-                                "nor chat_template.jinja, or no tokenizer.json): use /v1/completions",
-                           param="messages")
-        try:
-            text = server.chat_template.render(body.message_dicts(), add_generation_prompt=body.add_generation_prompt,
-                                               **(body.chat_template_kwargs or {}))
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages") from e
-        prompt = server.tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote them
+        prompt = server.chat_prompt(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         work = [(prompt, params) for params in body.sampling_params(server.max_new_tokens(max_tokens, prompt))]
         generation = await server.start(work, server.check_stops(body.stop_strings))
@@ -239,6 +247,35 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
             return GenerationStream(generation, responses, include_usage_chunk=body.include_usage_chunk)
         choices = await collect(request, generation)
         return responses.body(choices, prompt, usage(generation.prompt_tokens, generation.completion_tokens))
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """The token ids a completions `prompt` or a chat's `messages` become (vLLM's /tokenize)."""
+        server.check_model(body.model)
+        server.require_engine()
+        if body.messages is not None:
+            tokens = server.chat_prompt(body)
+        else:
+            tokens = server.encode(body.prompt)
+        answer = {"count": len(tokens), "max_model_len": server.max_seq_len, "tokens": tokens}
+        if body.return_token_strs:
+            answer["token_strs"] = [server.tokenizer.id_to_token(t) for t in tokens]
+        return answer
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        """The text of token ids, special tokens included (vLLM's /detokenize)."""
+        server.check_model(body.model)
+        server.require_engine()
+        if server.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer.json", param="tokens")
+        vocab = server.llm.engine.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": server.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     return app
 

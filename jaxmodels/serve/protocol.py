@@ -7,7 +7,7 @@ it); OpenAI fields we do not implement are accepted only at their neutral value.
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jaxmodels.engine.request import SamplingParams
 
@@ -141,8 +141,30 @@ class ChatCompletionRequest(_Sampled):
     response_format: Any = None
     parallel_tool_calls: bool | None = None  # meaningless without tools; accepted because clients send it
 
-    def message_dicts(self) -> list[dict]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+class TokenizeRequest(BaseModel):
+    """/tokenize and /v1/tokenize (vLLM's): a `prompt` as completions encode it, or `messages` rendered through the
+    chat template as chat completions do."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 def _is_token_id(value) -> bool:

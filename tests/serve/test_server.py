@@ -207,3 +207,28 @@ def test_metrics_are_prometheus_text(server):
     assert families["jaxmodels_prefix_cache_hit_tokens"].samples[0].value - hits >= 32
     for name in ["prefix_cache_pages", "prefix_cache_idle_pages", "prefix_cache_snapshots"]:
         assert families[f"jaxmodels_{name}"].type == "gauge", name
+
+
+def test_tokenize_gives_the_prompts_the_generation_routes_use(server):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(server.path)
+    chat = httpx.post(f"{server.url}/v1/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+    expected = hf.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    assert chat["tokens"] == expected and chat["count"] == len(expected) and chat["max_model_len"] == 2048
+    out = server.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, extra_body=RETURN_IDS)
+    assert out.prompt_token_ids == chat["tokens"]
+    text = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert text["tokens"] == server.tokenizer.encode(PROMPT).ids
+    assert text["token_strs"] == [hf.convert_ids_to_tokens(t) for t in text["tokens"]]
+    back = httpx.post(f"{server.url}/v1/detokenize", json={"model": MODEL, "tokens": chat["tokens"]}).json()
+    assert back == {"prompt": hf.decode(chat["tokens"])}
+
+
+def test_tokenize_errors_name_the_field(server):
+    both = httpx.post(f"{server.url}/v1/tokenize", json={"prompt": "a", "messages": MESSAGES})
+    assert both.status_code == 400 and "exactly one of prompt and messages" in both.json()["error"]["message"]
+    bad = httpx.post(f"{server.url}/v1/detokenize", json={"tokens": [5, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    other = httpx.post(f"{server.url}/v1/detokenize", json={"model": "other", "tokens": [5]})
+    assert other.status_code == 404
