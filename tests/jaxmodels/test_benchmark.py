@@ -98,3 +98,20 @@ def test_benchmark_serves_the_fp8_block_model(tmp_path, capsys):
     assert data["weights"] == "fp8-block"
     assert data["decode"][0]["step_ms"] > 0 and data["prefill"]["floor_ms"] > 0
     assert "fp8-block weights" in out
+
+
+def test_multiturn_workload_compares_prefix_caching_on_and_off(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    results = tmp_path / "results.json"
+    main(["bench", "--workload", "multiturn", "--config", str(config), "--layers", "2", "--conversations", "2",
+          "--turns", "3", "--system", "40", "--user", "9", "--answer", "5", "--prefill-chunk", "16",
+          "--dtype", "float32", "--no-progress", "--json", str(results)])
+    data = json.loads(results.read_text())
+    on, off = data["runs"]
+    assert (on["prefix_caching"], off["prefix_caching"]) == ("on", "off")
+    assert on["requests"] == off["requests"] == 6 and on["out_tok_s"] > 0 and off["out_tok_s"] > 0
+    # Turns 2 and 3 (prompts of 63 and 77 tokens) resume at 48, the last page edge (16-token pages) before the end
+    # of the previous turn's prompt (49 and 63 tokens).
+    assert on["hit_tokens"] >= 2 * 2 * 48 and 0 < on["hit_rate"] < 1 and off["hit_tokens"] == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("headline: prefix caching: TTFT p50")
