@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -256,6 +256,12 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "
           timeout ${MULTITURN_TIMEOUT:-280} python3 -m jaxmodels bench --workload multiturn --no-progress \
             --config "bench/configs/$config.json" --json "$OUT/multiturn_$config.json" > "$OUT/multiturn_$config.log" 2>&1
           echo "exit $?"; grep -A6 "^### multi" "$OUT/multiturn_$config.log"; done ;;
+    # What prefix caching (on by default) costs where prompts share nothing: the 256 x (1k, 1k) serving run of the
+    # Nano-9B class with it and without (its extend steps' state copies, one more chunk per prompt).
+    serve_prefix) for flag in "" --no-prefix-caching; do echo "--- prefix caching ${flag:-on}"
+          timeout 280 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano9b.json \
+            --phases serve --serve 256 --serve-in 1000 --serve-out 1000 --arrival-rate 0 $flag \
+            --json "$OUT/serve_prefix${flag:+_off}.json" 2>&1 | grep -A3 "^### serving"; done ;;
     start_9b) timeout 250 python3 bench/startup.py start --no-progress --config bench/configs/nemotron_h_nano9b.json \
           --json "$OUT/start_9b.json" > "$OUT/start_9b.log" 2>&1; echo "exit $?"; grep -A12 "^### start" "$OUT/start_9b.log"
         timeout 150 python3 bench/startup.py load --no-progress --config bench/configs/nemotron_h_nano9b.json \

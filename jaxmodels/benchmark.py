@@ -329,6 +329,9 @@ def parse_args(argv, prog):
     parser.add_argument("--no-launch-thread", dest="launch_thread", action="store_false",
                         help="launch each step from the scheduling thread, not from a thread of its own (engine.runner;"
                         " with the launch thread, the host time reported is the scheduling thread's)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="serve without prefix caching (engine.prefix_cache), e.g. to price it where prompts "
+                        "share nothing")
     parser.add_argument("--compilation-cache", default=None, metavar="DIR",
                         help="load the compiled step programs from DIR when there, store them there when not; 'off': "
                         "no cache (default: jaxmodels.compilation_cache's, ~/.cache/jaxmodels/xla)")
@@ -376,7 +379,8 @@ def main(argv=None, prog: str | None = None) -> None:
     if args.fp8_block:
         raw["quantization_config"] = FP8_BLOCK_QUANTIZATION
     weights = "fp8-block" if args.fp8_block else args.dtype
-    results = {"config": args.config, "layers": args.layers or "all", "dtype": args.dtype, "weights": weights}
+    results = {"config": args.config, "layers": args.layers or "all", "dtype": args.dtype, "weights": weights,
+               "prefix_caching": not args.no_prefix_caching}
     if args.compare_transformers:  # first: its process must be gone before JAX takes the GPU
         results["transformers"] = run_transformers(args.config, args)
 
@@ -390,6 +394,7 @@ def main(argv=None, prog: str | None = None) -> None:
     start = time.perf_counter()
     llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, overlap=not args.no_overlap, dp=args.dp, tp=args.tp,
                         launch_thread=args.launch_thread, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                        enable_prefix_caching=not args.no_prefix_caching,
                         progress=not args.no_progress, compilation_cache_dir=args.compilation_cache,
                         **engine_limits(args, phases))
     del model  # on a mesh the engine holds the sharded copy; the one-device weights must not stay beside it

@@ -45,12 +45,12 @@ def test_benchmark_reports_every_phase(tmp_path, capsys):
     assert out.strip().splitlines()[-1].startswith("headline: decode B=4")
 
 
-@pytest.mark.parametrize("launch_thread", [[], ["--no-launch-thread"]])
+@pytest.mark.parametrize("launch_thread", [[], ["--no-launch-thread", "--no-prefix-caching"]])
 def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread):
     """Without the prefill phase the engine is not sized for the (default 4096-token) prefill prompt, so the
     profile must not run it; the results JSON is written before profiling. With a launch thread (the default) the
     traced steps end with that thread's last launch (Runner.block_until_ready), not with caches it has yet to
-    replace."""
+    replace. (The second run also turns prefix caching off, which the results record.)"""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
     results = tmp_path / "results.json"
@@ -58,7 +58,8 @@ def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread
           "--prompt-len", "8", "--decode-steps", "4", "--dtype", "float32", "--no-progress",
           "--json", str(results), "--profile", str(tmp_path / "traces"), *launch_thread])
     out = capsys.readouterr().out
-    assert json.loads(results.read_text())["decode"][0]["batch"] == 2
+    data = json.loads(results.read_text())
+    assert data["decode"][0]["batch"] == 2 and data["prefix_caching"] == ("--no-prefix-caching" not in launch_thread)
     assert "## profile: decode B=2" in out
     assert "## profile: prefill" not in out
 
