@@ -4,7 +4,10 @@
 
 import argparse
 import logging
+import os
 import sys
+
+from jaxmodels.serve.security import DEFAULT_MAX_REQUEST_BYTES, faces_network  # the standard library only
 
 SPECULATIVE_HELP = "draft this many tokens per step with the checkpoint's MTP layers (0: off)"
 QUANTIZATION_HELP = "an FP8 checkpoint runs in FP8 unless 'dequantize' converts its weights to --dtype on load"
@@ -13,6 +16,13 @@ PREFIX_CACHING_HELP = ("do not keep computed pages for later requests that start
                        "caching is on by default)")
 MAMBA_CACHE_SLOTS_HELP = ("recurrent-state snapshots a hybrid model keeps for prefix caching, per dp group (default: "
                           "1.25 x max-batch-size / dp; each takes what one request's Mamba state does)")
+API_KEY_ENV = "JAXMODELS_API_KEY"
+API_KEY_HELP = (f"answer 401 to requests without the header 'Authorization: Bearer KEY', on every route but /health "
+                f"and /metrics (default: ${API_KEY_ENV}, which keeps the key out of the process list)")
+HOST_HELP = ("the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 takes connections from the "
+             "network: set an API key)")
+MAX_REQUEST_BYTES_HELP = (f"answer 413 to a request body over this many bytes, unread (default: "
+                          f"{DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB, a million-token prompt as JSON)")
 CACHE_HELP = ("keep the compiled step programs in this directory and load them on the next start with the same "
               "model and limits; 'off' compiles without (default: $JAXMODELS_COMPILATION_CACHE_DIR, else JAX's own "
               "cache directory if set, else ~/.cache/jaxmodels/xla)")
@@ -53,6 +63,10 @@ def serve(args) -> None:
         model_dir = resolve_model_path(args.model)
     except FileNotFoundError as e:
         raise SystemExit(f"error: {e}")
+    api_key = resolve_api_key(args.api_key)
+    if api_key is None and faces_network(args.host):
+        logging.getLogger("jaxmodels.serve").warning(
+            "serving on %s without an API key: whoever reaches the port can use the model (see --api-key)", args.host)
     failures = []
 
     def failed(message: str) -> None:
@@ -61,7 +75,8 @@ def serve(args) -> None:
 
     # The server answers at once (/health: 503 "loading") and serves once the model is loaded.
     app = load_app(model_dir, model_name=args.served_model_name or args.model, on_load_failure=failed,
-                   max_queued_requests=args.max_queued_requests, dtype=args.dtype,
+                   max_queued_requests=args.max_queued_requests, api_key=api_key,
+                   max_request_bytes=args.max_request_bytes, dtype=args.dtype,
                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dp=args.dp, tp=args.tp,
                    max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup,
                    num_speculative_tokens=args.num_speculative_tokens,
@@ -71,6 +86,13 @@ def serve(args) -> None:
     serve_forever(app, args.host, args.port)
     if failures:
         raise SystemExit(f"error: the model failed to load: {failures[0]}")
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    """--api-key, else $JAXMODELS_API_KEY; None (no key) where neither is set, or the variable is empty."""
+    if flag == "":
+        raise SystemExit("error: --api-key is empty; leave it out to serve without a key")
+    return flag if flag is not None else os.environ.get(API_KEY_ENV) or None
 
 
 def main(argv=None) -> None:
@@ -108,7 +130,7 @@ def main(argv=None) -> None:
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)")
     srv.add_argument("--model", required=True, help="HF checkpoint directory, or a Hugging Face Hub id")
     srv.add_argument("--served-model-name", help="the id clients send as `model` (default: --model as given)")
-    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--host", default="127.0.0.1", help=HOST_HELP)
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--dtype", default="bfloat16")
     srv.add_argument("--max-batch-size", type=int, default=64)
@@ -124,6 +146,8 @@ def main(argv=None) -> None:
     srv.add_argument("--num-speculative-tokens", type=int, default=0, help=SPECULATIVE_HELP)
     srv.add_argument("--max-queued-requests", type=int, default=1024,
                      help="requests held beyond the running batch; past that, new ones get 503")
+    srv.add_argument("--api-key", default=None, metavar="KEY", help=API_KEY_HELP)
+    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help=MAX_REQUEST_BYTES_HELP)
     srv.add_argument("--mamba-ssm-cache-dtype", choices=["float32", "bfloat16"], default=None, help=SSM_STATE_HELP)
     srv.add_argument("--compilation-cache", default=None, metavar="DIR", help=CACHE_HELP)
     srv.add_argument("--no-prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, tokenize / detokenize, health and
 Prometheus metrics.
 
-Requests are validated and tokenized on the event loop, then handed to the engine thread (`EngineWorker`); their
-tokens come back as text deltas (`Generation`), streamed as server-sent events or collected into one response.
-Every failure is answered with OpenAI's error JSON, and the server keeps serving.
+Requests are validated on the event loop (long texts tokenized on a thread beside it), then handed to the engine
+thread (`EngineWorker`); their tokens come back as text deltas (`Generation`), streamed as server-sent events or
+collected into one response. Every failure is answered with OpenAI's error JSON, and the server keeps serving.
+Before a request reaches the routes, `security.RequestGuard` checks its API key and the size of its body.
 """
 
 import asyncio
@@ -19,14 +20,21 @@ from starlette.exceptions import HTTPException
 
 from jaxmodels.serve.chat_template import ChatTemplate, ChatTemplateError
 from jaxmodels.serve.generation import Generation, Rejection
+from jaxmodels.serve.limits import max_prompt_chars
 from jaxmodels.serve.metrics import ServerStats, prometheus_text
 from jaxmodels.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, validation_error)
 from jaxmodels.serve.responses import ChatResponses, CompletionResponses, sse, usage
+from jaxmodels.serve.security import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from jaxmodels.serve.worker import EngineWorker
 
 
 log = logging.getLogger("jaxmodels.serve")
+
+# Texts longer than this are tokenized on a thread: `encode` holds the GIL throughout (a second or more per megabyte),
+# which would stall the event loop and the engine thread; `encode_batch` lets go of it. Shorter ones take a few
+# milliseconds, not worth a hop to a thread.
+TOKENIZE_INLINE_CHARS = 4096
 
 
 class _ClientGone(Exception):
@@ -48,13 +56,16 @@ class _Server:
         self.llm = None
         self.tokenizer = None
         self.max_seq_len = None
+        self.max_prompt_chars = None  # longer texts cannot fit in max_seq_len tokens (None: no such bound)
         self.capacity = 0
         self.worker: EngineWorker | None = None  # started with the model (it needs the running event loop)
 
-    def attach(self, llm) -> None:
-        """Serve `llm` from now on (on the event loop: the engine thread needs it)."""
+    def attach(self, llm, prompt_chars: int | None) -> None:
+        """Serve `llm` from now on (on the event loop: the engine thread needs it); `prompt_chars` is
+        `prompt_char_bound(llm)`."""
         self.tokenizer = llm.tokenizer
         self.max_seq_len = llm.engine.max_seq_len
+        self.max_prompt_chars = prompt_chars
         # The engine holds max_batch_size requests at once; the server queues at most max_queued_requests more.
         self.capacity = llm.metrics()["slots_total"] + self.max_queued_requests
         self.worker = EngineWorker(llm.engine, asyncio.get_running_loop())
@@ -77,14 +88,34 @@ class _Server:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return prompt
-        if self.tokenizer is None:
+    async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """The token ids of completion prompts (texts or ids already), with the tokenizer's special tokens, as
+        LLM.generate encodes them. A text that cannot fit in max_seq_len is refused before any is tokenized."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts and self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer.json: send the prompt as token ids", param="prompt")
-        return self.tokenizer.encode(prompt).ids  # with the tokenizer's special tokens, as LLM.generate encodes
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self.check_prompt_length(prompt, "prompt", f"prompt {index}: " if len(prompts) > 1 else "")
+        encoded = iter(await self.tokenize(texts))
+        return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
-    def chat_prompt(self, body) -> list[int]:
+    def check_prompt_length(self, text: str, param: str, where: str = "") -> None:
+        """APIError 400 for a text too long for max_seq_len tokens whatever they turn out to be, which counting its
+        characters tells at once (see limits.py); shorter ones are counted in tokens by the engine."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise APIError(400, f"{where}the prompt has {len(text)} characters: more than fit in max_seq_len="
+                                f"{self.max_seq_len} tokens (its {self.max_seq_len - 1} prompt tokens stand for at "
+                                f"most {self.max_prompt_chars} characters with this model's tokenizer)",
+                           param=param)
+
+    async def tokenize(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        if sum(map(len, texts)) <= TOKENIZE_INLINE_CHARS:
+            return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens).ids for t in texts]
+        encodings = await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
+
+    async def chat_prompt(self, body) -> list[int]:
         """The token ids of a chat request's `messages`, rendered through the chat template (APIError 400 without
         one, or when the template refuses them)."""
         if self.chat_template is None or self.tokenizer is None:
@@ -97,7 +128,9 @@ class _Server:
                                              **(body.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from e
-        return self.tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote them
+        self.check_prompt_length(text, "messages")
+        (tokens,) = await self.tokenize([text], add_special_tokens=False)  # the template wrote them
+        return tokens
 
     def check_stops(self, stops: list[str]) -> list[str]:
         if stops and self.tokenizer is None:
@@ -127,12 +160,27 @@ class _Server:
         return await asyncio.wrap_future(worker.call(worker.snapshot))
 
 
+def prompt_char_bound(llm) -> int | None:
+    """The most characters a text prompt that fits can have (see limits.py). It reads the whole vocabulary, up to a
+    second for the largest: computed before serving, on the loading thread where there is one."""
+    if llm.tokenizer is None:
+        return None
+    try:
+        return max_prompt_chars(llm.tokenizer, llm.engine.max_seq_len)
+    except Exception:  # noqa: BLE001 - a tokenizer.json of a shape we did not foresee: serve, without the bound
+        log.exception("no character bound for prompts: reading the tokenizer's configuration failed")
+        return None
+
+
 def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None = None,
-              max_queued_requests: int = 1024, load=None, on_load_failure=None) -> FastAPI:
+              max_queued_requests: int = 1024, load=None, on_load_failure=None, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app serving `llm` (whose engine it takes over: from its start on, only its engine thread may touch the
     engine), or the LLM that `load()` returns: the app then answers at once, /health and the model routes with 503
     and a "loading" reason, and serves once `load` has returned (it runs on a thread of its own when the app
-    starts; if it raises, `on_load_failure(message)` is called). `model_name` is the id clients send as `model`."""
+    starts; if it raises, `on_load_failure(message)` is called). `model_name` is the id clients send as `model`.
+    With `api_key`, every route but /health and /metrics answers 401 without `Authorization: Bearer <api_key>`;
+    a body over `max_request_bytes` is answered 413 unread (see security.py)."""
     if (llm is None) == (load is None):
         raise ValueError("give exactly one of llm and load")
     server = _Server(model_name=model_name, chat_template=chat_template, max_queued_requests=max_queued_requests)
@@ -146,12 +194,12 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
             if on_load_failure is not None:
                 on_load_failure(server.load_failure)
             return
-        loop.call_soon_threadsafe(server.attach, loaded)
+        loop.call_soon_threadsafe(server.attach, loaded, prompt_char_bound(loaded))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if llm is not None:
-            server.attach(llm)
+            server.attach(llm, prompt_char_bound(llm))
         else:
             threading.Thread(target=load_in_background, args=(asyncio.get_running_loop(),), name="jaxmodels-load",
                              daemon=True).start()
@@ -163,6 +211,12 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
 
     app = FastAPI(title="jaxmodels", lifespan=lifespan)
     app.state.server = server
+
+    def count_refusal(status: int) -> None:
+        server.stats.rejected[status] += 1
+
+    RequestGuard.check_options(api_key, max_request_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes, on_refusal=count_refusal)
 
     def error_response(error: APIError) -> JSONResponse:
         server.stats.rejected[error.status] += 1
@@ -218,7 +272,7 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
         server.require_engine()  # its tokenizer and limits come with the model
-        prompts = [server.encode(p) for p in body.prompt]
+        prompts = await server.encode_prompts(body.prompt)
         stops = server.check_stops(body.stop_strings)
         work = [(prompt, params) for prompt in prompts
                 for params in body.sampling_params(server.max_new_tokens(body.max_tokens, prompt))]
@@ -238,7 +292,7 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
         server.require_engine()
-        prompt = server.chat_prompt(body)
+        prompt = await server.chat_prompt(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         work = [(prompt, params) for params in body.sampling_params(server.max_new_tokens(max_tokens, prompt))]
         generation = await server.start(work, server.check_stops(body.stop_strings))
@@ -251,13 +305,15 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(body: TokenizeRequest):
-        """The token ids a completions `prompt` or a chat's `messages` become (vLLM's /tokenize)."""
+        """The token ids a completions `prompt` or a chat's `messages` become (vLLM's /tokenize). Their count may
+        pass max_seq_len, but a text too long to fit by its characters alone is refused as the generation routes
+        refuse it, without tokenizing it."""
         server.check_model(body.model)
         server.require_engine()
         if body.messages is not None:
-            tokens = server.chat_prompt(body)
+            tokens = await server.chat_prompt(body)
         else:
-            tokens = server.encode(body.prompt)
+            (tokens,) = await server.encode_prompts([body.prompt])
         answer = {"count": len(tokens), "max_model_len": server.max_seq_len, "tokens": tokens}
         if body.return_token_strs:
             answer["token_strs"] = [server.tokenizer.id_to_token(t) for t in tokens]
