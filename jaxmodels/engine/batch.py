@@ -30,7 +30,8 @@ class ExtendBatch:
     page_table: np.ndarray  # int32[S, pages_per_seq]
     # Prefix caching of a recurrent model (engine.prefix_cache), C copies each (C = 0 otherwise; padding: 0 -> 0,
     # the null slot): recurrent state copied from slot restore_from[i] to restore_to[i] before the step (a
-    # request resuming from a cached prefix's snapshot), and from save_from[i] to save_to[i] after it (a snapshot
+    # request resuming from a cached prefix's snapshot, or an ended request's state stashed out of the slot a new
+    # request takes; all read before any is written), and from save_from[i] to save_to[i] after it (a snapshot
     # saved where a chunk ends).
     restore_from: np.ndarray  # int32[C]
     restore_to: np.ndarray  # int32[C]
@@ -111,7 +112,8 @@ def extend_batch(chunks, num_tokens: int, num_seqs: int, tables, state_copies: i
         cu[i + 1] = offset
         slot_ids[i], has_prefix[i], ends[i] = chunk.request.slot, start > 0, start + length
     cu[len(chunks) + 1:] = offset  # padded sequences are empty
-    restore_from, restore_to = _state_copies([(c.restore, c.request.slot) for c in chunks if c.restore],
+    restore_from, restore_to = _state_copies([c.stash for c in chunks if c.stash]
+                                             + [(c.restore, c.request.slot) for c in chunks if c.restore],
                                              state_copies)
     save_from, save_to = _state_copies([(c.request.slot, c.save) for c in chunks if c.save], state_copies)
     batch = ExtendBatch(tokens=tokens, positions=positions, cu_seqlens=cu, slot_ids=slot_ids,

@@ -18,6 +18,12 @@ shares it saves the state there, and every later one resumes from it). Not where
 path (a conversation's next turn after the previous answer's pages): nothing else would resume there. Snapshots
 have their own pool, evicted least recently used, and go with their node's page.
 
+What a request leaves when it ends (or is preempted) is a tail (`CachedTail`): its last, partial page and the
+recurrent state after its last computed token, which need not be on a page edge. A conversation's next turn starts
+with exactly those tokens, so it resumes there: it takes the tail's page as its own (no copy: a tail serves one
+request) and the state, which the scheduler leaves in the ended request's slot until another request needs the
+slot, then stashes in a snapshot slot. The same holds for a preempted request, which finds its own tail.
+
 Everything here is host bookkeeping; the device copies between request slots and snapshot slots ride on the
 extend steps' batches (engine.batch.StateCopies).
 """
@@ -27,7 +33,7 @@ import dataclasses
 import itertools
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: the tree has a node per cached page, made on the hot path
 class CachedPage:
     """A node of the tree: the page holding the tokens `tokens` after its parent's, for as many requests as hold it
     (refs); `snapshot`: a snapshot slot holding the recurrent state after this page's last token, or None."""
@@ -42,19 +48,38 @@ class CachedPage:
     snapshot: int | None = None
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class CachedTail:
+    """The end of an ended request's computed tokens: `tokens` (fewer than a page; none when it ended on a page
+    edge) after `parent`'s page, their caches in `page` (None without tokens). A hybrid's state after them is in
+    `slot` (the ended request's, kept aside by the scheduler) or, once that slot was needed, in `snapshot`; with
+    neither (its snapshot was reused) it can no longer be resumed from."""
+
+    node_id: int
+    parent: CachedPage | None
+    tokens: tuple
+    page: int | None
+    slot: int | None = None
+    snapshot: int | None = None
+    dropped: bool = False  # evicted, taken, or cleared: the scheduler gives its slot to the next request plainly
+
+
 @dataclasses.dataclass
 class Match:
     """What a prompt finds in the cache: `pages` (the tree path, root first) it can reuse, covering `tokens`
     tokens, and the snapshot slot to resume the recurrent state from (None: no recurrent state, or nothing matched).
     `shared`: how many pages of the prompt the tree holds, past a hybrid's last snapshot too; `parts`: whether the
     prompt leaves there a path the tree goes on with (the last shared page has cached pages after it: another
-    prompt's continuation), which makes that page edge a place later prompts will resume from."""
+    prompt's continuation), which makes that page edge a place later prompts will resume from. `tail`: the tail
+    the prompt resumes after (then `tokens` ends past the last page, and a tail whose state is still in its slot
+    has no `snapshot`: the request takes that slot)."""
 
     pages: list
     tokens: int
     snapshot: int | None
     shared: int
     parts: bool = False
+    tail: CachedTail | None = None
 
 
 class PrefixCache:
@@ -67,11 +92,14 @@ class PrefixCache:
         self._children: dict[tuple, CachedPage] = {}  # (parent node id or 0, tokens) -> node
         self._idle: collections.OrderedDict[int, CachedPage] = collections.OrderedDict()  # refs == 0, oldest first
         self._free_snapshots = list(snapshot_slots or [])
-        self._snapshots: collections.OrderedDict[int, CachedPage] = collections.OrderedDict()  # slot -> node, LRU
+        self._snapshots: collections.OrderedDict[int, CachedPage | CachedTail] = collections.OrderedDict()  # LRU
+        self._tails: dict[int, list[CachedTail]] = {}  # parent node id or 0 -> its tails
+        self._tail_pages = 0  # tails' pages: idle, as no request holds a tail (resumable or not)
         self.hit_tokens = 0  # cumulative tokens matched by admitted requests
 
     def __len__(self) -> int:
-        return len(self._children)
+        """Pages the cache holds: the tree's and its tails'."""
+        return len(self._children) + self._tail_pages
 
     @property
     def idle_pages(self) -> int:
@@ -92,11 +120,29 @@ class PrefixCache:
             path.append(node)
             parent = node
         shared, parts = len(path), bool(path) and path[-1].children > 0
+        tail, tail_depth = self._tail_match(token_ids, limit, path)
+        if tail is not None:
+            tail_pages = path[:tail_depth]
         if self.recurrent:
             while path and path[-1].snapshot is None:
                 path.pop()
+        if tail is not None and tail_depth * size + len(tail.tokens) > len(path) * size:
+            return Match(pages=tail_pages, tokens=tail_depth * size + len(tail.tokens), snapshot=tail.snapshot,
+                         shared=shared, parts=parts, tail=tail)
         snapshot = path[-1].snapshot if path and self.recurrent else None
         return Match(pages=path, tokens=len(path) * size, snapshot=snapshot, shared=shared, parts=parts)
+
+    def _tail_match(self, token_ids: list[int], limit: int, path: list) -> tuple[CachedTail | None, int]:
+        """The tail after the root or a node of `path` that token_ids continue with and that ends furthest (at most
+        at `limit`), and the depth of its parent."""
+        best, best_depth, best_end = None, 0, 0
+        for depth, node in enumerate([None] + path):
+            for tail in self._tails.get(node.node_id if node else 0, ()):
+                end = depth * self.page_size + len(tail.tokens)
+                if (best_end < end <= limit and (not self.recurrent or tail.slot or tail.snapshot)
+                        and tuple(token_ids[depth * self.page_size: end]) == tail.tokens):
+                    best, best_depth, best_end = tail, depth, end
+        return best, best_depth
 
     def hold(self, pages: list) -> None:
         """A request starts using `pages` (a path from the root): they leave the idle list."""
@@ -130,36 +176,98 @@ class PrefixCache:
             parent.children += 1
         return node, True
 
+    def add_tail(self, parent: CachedPage | None, tokens: tuple, page: int | None, slot: int | None) -> CachedTail:
+        """Keep what an ending request leaves after `parent` (see CachedTail); call it before releasing the
+        request's pages, so that its page is evicted before theirs."""
+        tail = CachedTail(next(self._ids), parent, tokens, page, slot=slot)
+        self._tails.setdefault(parent.node_id if parent else 0, []).append(tail)
+        if page is not None:
+            self._idle[tail.node_id] = tail
+            self._tail_pages += 1
+        return tail
+
+    def take_tail(self, tail: CachedTail) -> None:
+        """A request resumes after `tail`: it takes the tail's page and state (its step restores the snapshot
+        before anything can write the freed snapshot slot), and the tail is gone."""
+        self._tail_pages -= self._idle.pop(tail.node_id, None) is not None
+        self._drop_tail(tail)
+
+    def stash(self, tail: CachedTail) -> int | None:
+        """The tail's state leaves its request slot, which another request needs: the snapshot slot it goes to (the
+        least recently used snapshot's if none is free), or None, and the tail is dropped."""
+        tail.slot = None
+        slot = self._new_snapshot(tail)
+        if slot is None:
+            self._unindex(tail)
+            tail.dropped = True
+        else:
+            self.supersede(tail)
+        return slot
+
     def evict(self, count: int) -> list[int]:
         """Take back up to `count` idle pages, least recently used first (leaves before their parents): their page
-        ids, now free, and their snapshots freed."""
+        ids, now free, and their snapshots freed (and the tails after an evicted page, whose pages come too)."""
         pages = []
         while len(pages) < count and self._idle:
             _, node = self._idle.popitem(last=False)
+            if isinstance(node, CachedTail):
+                self._drop_tail(node)
+                self._tail_pages -= 1
+                pages.append(node.page)
+                continue
             assert node.children == 0, "an idle page with cached children was evicted first"
             del self._children[(node.parent.node_id if node.parent else 0, node.tokens)]
             if node.parent is not None:
                 node.parent.children -= 1
             self._drop_snapshot(node)
             pages.append(node.page)
+            pages += self._drop_tails_after(node)
         return pages
+
+    def _drop_tails_after(self, node: CachedPage | None) -> list[int]:
+        """Drop the tails after `node` (the root for None); returns their pages."""
+        pages = []
+        for tail in list(self._tails.get(node.node_id if node else 0, ())):
+            if self._idle.pop(tail.node_id, None) is not None:
+                self._tail_pages -= 1
+                pages.append(tail.page)
+            self._drop_tail(tail)
+        return pages
+
+    def _drop_tail(self, tail: CachedTail) -> None:
+        self._unindex(tail)
+        self._drop_snapshot(tail)
+        tail.dropped = True
+
+    def _unindex(self, tail: CachedTail) -> None:
+        key = tail.parent.node_id if tail.parent else 0
+        tails = self._tails.get(key, [])
+        if tail in tails:
+            tails.remove(tail)
+            if not tails:
+                del self._tails[key]
 
     def snapshot_slot(self, node: CachedPage) -> int | None:
         """A snapshot slot for the state after `node`'s last token, from the free ones or the least recently used
         snapshot's; None when the node has one already (or the model keeps no recurrent state)."""
         if not self.recurrent or node.snapshot is not None:
             return None
+        return self._new_snapshot(node)
+
+    def _new_snapshot(self, owner: CachedPage | CachedTail) -> int | None:
         if not self._free_snapshots:
             if not self._snapshots:
                 return None
             _, oldest = self._snapshots.popitem(last=False)
             self._free_snapshots.append(oldest.snapshot)
             oldest.snapshot = None
-        node.snapshot = self._free_snapshots.pop()
-        self._snapshots[node.snapshot] = node
-        return node.snapshot
+            if isinstance(oldest, CachedTail):  # no longer resumable; its page stays idle until evicted
+                self._unindex(oldest)
+        owner.snapshot = self._free_snapshots.pop()
+        self._snapshots[owner.snapshot] = owner
+        return owner.snapshot
 
-    def supersede(self, node: CachedPage) -> None:
+    def supersede(self, node: CachedPage | CachedTail) -> None:
         """A snapshot was just saved at `node`: the snapshots above it on its path whose page has one continuation
         only (no other prompt parted there) are now of use only to a prompt that would part inside this path, so
         they become the first to be reused. Without this, a conversation's snapshot of its previous turn, touched
@@ -171,12 +279,16 @@ class PrefixCache:
                 self._snapshots.move_to_end(node.snapshot, last=False)
             node = node.parent
 
-    def _drop_snapshot(self, node: CachedPage) -> None:
-        if node.snapshot is not None:
-            del self._snapshots[node.snapshot]
-            self._free_snapshots.append(node.snapshot)
-            node.snapshot = None
+    def _drop_snapshot(self, owner: CachedPage | CachedTail) -> None:
+        if owner.snapshot is not None:
+            del self._snapshots[owner.snapshot]
+            self._free_snapshots.append(owner.snapshot)
+            owner.snapshot = None
 
     def clear(self) -> list[int]:
-        """Evict every idle page (with its snapshot); returns their page ids."""
-        return self.evict(len(self._idle))
+        """Evict every idle page (with its snapshot) and every tail; returns their page ids."""
+        pages = self.evict(len(self._idle))
+        for key in list(self._tails):  # tails without pages, after pages that running requests hold
+            for tail in list(self._tails.get(key, ())):
+                self._drop_tail(tail)
+        return pages

@@ -21,9 +21,12 @@ in flight the next one is scheduled for the most it could have accepted (its pag
 With prefix caching (engine.prefix_cache) a request is admitted with the longest cached prefix of its tokens: the
 cached pages go into its page table, shared, and its first chunk starts after them (restoring a hybrid's recurrent
 state from the prefix's snapshot on the way). Each full page a chunk computes is cached as it is scheduled, so that
-requests arriving meanwhile share it; pages that decoding filled are cached when the request ends. A hybrid's
-chunks end at the page edges where a snapshot is due (`_snapshot_points`), and the chunk's step saves it. Cached
-pages that no request holds count as free: the pool takes them back, least recently used first, when it needs them.
+requests arriving meanwhile share it; pages that decoding filled are cached when the request ends, and the rest of
+what it computed as a tail (its partial page and a hybrid's state, which stays in the request's slot, kept aside in
+`keeping`, until a new request needs the slot and the extend step that admits it stashes the state in a snapshot
+slot). A hybrid's chunks end at the page edges where a snapshot is due (`_snapshot_points`), and the chunk's step
+saves it. Cached pages that no request holds count as free: the pool takes them back, least recently used first,
+when it needs them.
 
 Host work per step is O(1) per request: requests are kept in dicts by id (admission order), and the per-slot tables
 the batches are gathered from (`SlotTables`) are updated only when a request is admitted or gets a page.
@@ -42,15 +45,17 @@ from jaxmodels.step_context import StepKind
 
 
 class Chunk(NamedTuple):
-    """The tokens start .. start + length - 1 of a request, computed in one extend step. `restore`: the snapshot slot
-    whose recurrent state the request's slot takes before the step (its cached prefix's); `save`: the snapshot slot
-    that takes the slot's state after it (0: none)."""
+    """The tokens start .. start + length - 1 of a request, computed in one extend step. `restore`: the slot whose
+    recurrent state the request's slot takes before the step (its cached prefix's snapshot); `save`: the snapshot
+    slot that takes the slot's state after it (0: none); `stash`: (slot, snapshot slot), an ended request's state
+    moved out of the slot this request takes, before the step."""
 
     request: Request
     start: int
     length: int
     restore: int = 0
     save: int = 0
+    stash: tuple | None = None
 
 
 class SlotTables:
@@ -95,6 +100,9 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.free_pages = FreeList(sizes.num_pages, "KV page")
         self.free_slots = FreeList(sizes.num_slots, "state slot")
+        # With prefix caching of a hybrid: slots of ended requests whose state a tail (engine.prefix_cache) still
+        # needs, oldest first; free for new requests once that state is stashed.
+        self.keeping: collections.OrderedDict[int, object] = collections.OrderedDict()
         self.slots = SlotTables(sizes.num_slots, sizes.pages_per_seq)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # by request id, in admission order: the last is preempted first
@@ -148,9 +156,14 @@ class Scheduler:
 
     def _free_count(self, holding: list = ()) -> int:
         """Pages a request can get now: the free ones and the cached ones no request holds, but for `holding`
-        (cached pages about to be held)."""
-        idle = self.cache.idle_pages - sum(1 for node in holding if node.refs == 0) if self.cache else 0
+        (cached pages and a tail about to be taken)."""
+        idle = self.cache.idle_pages - sum(1 for node in holding if getattr(node, "refs", 0) == 0) if self.cache else 0
         return len(self.free_pages) + idle
+
+    @staticmethod
+    def _match_pages(match) -> list:
+        """The cache's pages a match hands its request: the tree path's, then the tail's if it has one."""
+        return match.pages + ([match.tail] if match.tail is not None and match.tail.page is not None else [])
 
     def _take_pages(self, n: int) -> list[int]:
         """n free pages, taking idle cached pages back (least recently used first) when too few are free."""
@@ -158,43 +171,49 @@ class Scheduler:
             self.free_pages.give_back(self.cache.evict(n - len(self.free_pages)))
         return self.free_pages.take(n)
 
+    def prefix_match(self, request: Request):
+        """The longest cached prefix `request` can resume after; at least its last token is computed (its logits
+        give the next one)."""
+        return self.cache.match(request.token_ids, len(request.token_ids) - 1)
+
+    def _free_slot_count(self) -> int:
+        return len(self.free_slots) + len(self.keeping)
+
     def _extend_chunks(self):
         budget = self.max_prefill_tokens
         chunks = []
-        restores = saves = 0
+        copies = 0  # state copies before the step: restores and stashes
+        stashed = {}  # snapshot slot -> the slot its state moves from before this step (it is still there)
         prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]
         for request in prefilling + list(self.waiting):
             if budget == 0 or len(chunks) == self.max_batch_size:
                 break
             admitted = request.status is RequestStatus.PREFILLING
-            if not admitted and not len(self.free_slots):
+            if not admitted and not self._free_slot_count():
                 break
-            match = None
-            if not admitted and self.cache is not None:
-                # At least the last token is computed: its logits give the next one.
-                match = self.cache.match(request.token_ids, len(request.token_ids) - 1)
-                if match.snapshot is not None and restores == self.state_copies:
-                    break  # this step restores as many states as it can; the request waits for the next
+            match = self.prefix_match(request) if not admitted and self.cache is not None else None
+            if match is not None and copies + self._copies_to_admit(match) > self.state_copies:
+                break  # this step copies as many states as it can; the request waits for the next
             start = match.tokens if match else request.num_computed
-            held = len(match.pages) if match else len(request.pages)
+            holding = self._match_pages(match) if match else ()
+            held = len(holding) if match else len(request.pages)
             length = min(len(request.token_ids) - start, budget)
             # Shrink the chunk to the pages that are free; the rest waits for pages to come back.
-            room = (held + self._free_count(match.pages if match else ())) * self.sizes.page_size - start
+            room = (held + self._free_count(holding)) * self.sizes.page_size - start
             length = min(length, room)
             if length <= 0:
                 break
-            restore = 0
+            restore, stash = 0, None
             if not admitted:
-                self._admit(self.waiting.popleft(), match)
-                if match is not None and match.snapshot is not None:
-                    restore, restores = match.snapshot, restores + 1
+                restore, stash = self._admit(self.waiting.popleft(), match, stashed)
+                copies += (restore > 0) + (stash is not None)
             point = next((p for p in request.snapshot_points if p > start), None)
             if point is not None and start + length > point:
                 length = point - start  # the chunk ends where a snapshot is due
             self.slots.add_pages(request, self._take_pages(self._pages_for(request, start + length)))
             budget -= length
             request.num_computed = start + length
-            chunks.append(Chunk(request, start, length, restore))
+            chunks.append(Chunk(request, start, length, restore, stash=stash))
             if request.num_computed == len(request.token_ids):
                 request.status = RequestStatus.DECODING  # this chunk's sampled token is its next output
         if self.cache is not None:
@@ -220,20 +239,58 @@ class Scheduler:
             self.cache.supersede(node)
         return chunk._replace(save=slot or 0)
 
-    def _admit(self, request: Request, match=None) -> None:
-        request.slot = self.free_slots.take()[0]
+    def _copies_to_admit(self, match) -> int:
+        """State copies before the step that admitting a request with `match` needs: its restore, and the stash of
+        the state kept in the slot it would take (see `_take_slot`)."""
+        restore = match.snapshot is not None
+        if match.tail is not None and match.tail.slot is not None or len(self.free_slots) or not self.keeping:
+            return restore
+        tail = next(iter(self.keeping.values()))
+        return restore + (not tail.dropped and self.state_copies > 0)
+
+    def _take_slot(self, match, stashed: dict) -> tuple[int, tuple | None]:
+        """A slot for a request with `match`: its tail's (which holds the state it resumes from), a free one, or
+        the slot kept longest for a tail, whose state is then stashed in a snapshot slot (before the step: recorded
+        in `stashed`) or, with no copy to spare, dropped. -> (slot, (slot, snapshot slot) or None)."""
+        tail = match.tail if match is not None else None
+        if tail is not None and tail.slot is not None:
+            del self.keeping[tail.slot]
+            return tail.slot, None
+        if len(self.free_slots):
+            return self.free_slots.take()[0], None
+        slot, kept = self.keeping.popitem(last=False)
+        if kept.dropped:
+            return slot, None
+        snapshot = self.cache.stash(kept)
+        if snapshot is None:
+            return slot, None
+        stashed[snapshot] = slot
+        return slot, (slot, snapshot)
+
+    def _admit(self, request: Request, match=None, stashed: dict | None = None) -> tuple[int, tuple | None]:
+        """Admit `request` after `match` (its cached prefix) -> (the slot its state is restored from, 0 for none;
+        the stash its slot needs, see `_take_slot`)."""
+        restore = 0
+        if match is not None and match.snapshot is not None:
+            # Read before the step's copies write anything: the snapshot's state, even if this admission's stash
+            # takes its slot; from the slot it is stashed from if an earlier admission of this step stashed it.
+            restore = stashed.get(match.snapshot, match.snapshot)
+        request.slot, stash = self._take_slot(match, stashed)
         request.status = RequestStatus.PREFILLING
         self.running[request.request_id] = request
         self.slots.admit(request)
         if self.cache is None:
-            return
+            return restore, stash
         self.prompt_tokens += len(request.token_ids)
         self.cache.hit_tokens += match.tokens
         self.cache.hold(match.pages)
         request.cached = list(match.pages)
-        self.slots.add_pages(request, [node.page for node in match.pages])
+        self.slots.add_pages(request, [page.page for page in self._match_pages(match)])
+        if match.tail is not None:
+            self.cache.take_tail(match.tail)  # its page is the request's own now
         request.num_computed = match.tokens
         request.snapshot_points = self._snapshot_points(request, match) if self.cache.recurrent else []
+        return restore, stash
 
     def _snapshot_points(self, request: Request, match) -> list[int]:
         """Where a hybrid's state is saved as its prompt is computed (see engine.prefix_cache): the page edge
@@ -323,19 +380,39 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         del self.running[request.request_id]
-        pages = request.pages
+        pages, tail = request.pages, None
         if self.cache is not None:
-            # Pages decoding filled join the cache too (the next turn of a conversation starts with them); what the
-            # cache holds stays there, the request's own pages (and its copies of cached ones) are freed.
+            # Pages decoding filled join the cache too, and so does the rest as a tail (the next turn of a
+            # conversation starts with them, and a preempted request resumes there); what the cache holds stays
+            # there, the request's own pages (and its copies of cached ones) are freed.
             self._cache_pages(request, request.num_computed)
+            tail = self._leave_tail(request)
             cached = request.cached
-            pages = [page for i, page in enumerate(pages) if i >= len(cached) or cached[i].page != page]
+            pages = [page for i, page in enumerate(pages)
+                     if (i >= len(cached) or cached[i].page != page) and (tail is None or page != tail.page)]
             self.cache.release(cached)
             request.cached, request.snapshot_points = [], []
         self.free_pages.give_back(pages)
-        self.free_slots.give_back([request.slot])
+        if tail is not None and tail.slot is not None:
+            self.keeping[request.slot] = tail
+        else:
+            self.free_slots.give_back([request.slot])
         self.slots.clear(request.slot)
         request.pages, request.slot = [], 0
+
+    def _leave_tail(self, request: Request):
+        """The tail (engine.prefix_cache.CachedTail) of what `request` computed, kept in the cache; None where
+        it would serve nothing or its state is not known: with speculative decoding the device may have accepted
+        tokens the host has not seen."""
+        n, size = request.num_computed, self.sizes.page_size
+        if self.num_speculative_tokens or n == 0 or n > len(request.token_ids) or len(request.cached) != n // size:
+            return None
+        tokens = tuple(request.token_ids[n // size * size: n])
+        parent = request.cached[-1] if request.cached else None
+        if not tokens and (not self.cache.recurrent or parent.snapshot is not None):
+            return None  # on a page edge, where an attention-only model resumes anyway, or a snapshot is already
+        return self.cache.add_tail(parent, tokens, request.pages[n // size] if tokens else None,
+                                   request.slot if self.cache.recurrent else None)
 
     def clear_prefix_cache(self) -> int:
         """Free the cached pages no running request holds (and their snapshots); returns how many."""
@@ -343,6 +420,8 @@ class Scheduler:
             return 0
         pages = self.cache.clear()
         self.free_pages.give_back(pages)
+        self.free_slots.give_back(list(self.keeping))  # their tails are gone
+        self.keeping.clear()
         return len(pages)
 
     def abort(self, request: Request) -> bool:
@@ -432,8 +511,7 @@ class GroupedScheduler:
         if len(self.groups) > 1 and self.groups[0].cache is not None:
             slack = max(1, self.groups[0].max_batch_size // 4)
             candidates = [g for g in candidates if loads[g] <= min(loads) + slack]
-            hits = {g: self.groups[g].cache.match(request.token_ids, len(request.token_ids) - 1).tokens
-                    for g in candidates}
+            hits = {g: self.groups[g].prefix_match(request).tokens for g in candidates}
             candidates = [g for g in candidates if hits[g] == max(hits.values())]
         group = min(candidates, key=lambda g: loads[g])
         self._group_of[request.request_id] = group
@@ -492,7 +570,7 @@ class GroupedScheduler:
         caches = [g.cache for g in groups if g.cache is not None]
         return dict(running=sum(len(g.running) for g in groups), waiting=sum(len(g.waiting) for g in groups),
                     free_pages=sum(g._free_count() for g in groups),
-                    free_slots=sum(len(g.free_slots) for g in groups),
+                    free_slots=sum(g._free_slot_count() for g in groups),
                     prompt_tokens=sum(g.prompt_tokens for g in groups),
                     prefix_cache_hit_tokens=sum(c.hit_tokens for c in caches),
                     prefix_cache_pages=sum(len(c) for c in caches),

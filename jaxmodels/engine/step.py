@@ -35,9 +35,15 @@ def copy_state_slots(caches: list, sources, targets) -> list:
     """Each layer's recurrent state of slot sources[i] copied to slot targets[i] (int32[C]; C = 0: nothing)."""
     if sources.shape[0] == 0:
         return caches
-    return [dataclasses.replace(cache, **{name: getattr(cache, name).at[targets].set(getattr(cache, name)[sources])
-                                          for name in _slot_fields(cache)}) if _slot_fields(cache) else cache
-            for cache in caches]
+    return [_copy_slots(cache, _slot_fields(cache), sources, targets) for cache in caches]
+
+
+def _copy_slots(cache, fields: list[str], sources, targets):
+    """One layer's `copy_state_slots`: every source is read before any target is written."""
+    if not fields:
+        return cache
+    return dataclasses.replace(cache, **{name: getattr(cache, name).at[targets].set(getattr(cache, name)[sources])
+                                         for name in fields})
 
 
 class ModelStep:

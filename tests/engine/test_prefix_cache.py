@@ -135,28 +135,73 @@ def test_a_hybrid_saves_snapshots_where_prompts_part_and_before_the_last_token_t
     second = run_prompt(s, 1, system + [70, 71, 72, 73, 74], [62])
     # Shares two pages (8 tokens) but no snapshot there: computed from 0, saving one at 8 where it parts, and at 12.
     assert [(c.start, c.length, c.restore, c.save) for c in second] == [(0, 8, 0, 4), (8, 4, 0, 3), (12, 2, 0, 0)]
-    third = run_prompt(s, 2, system + [80], [63])  # resumes where the system prompt ends
-    assert [(c.start, c.length, c.restore, c.save) for c in third] == [(8, 2, 4, 0)]
-    turn = run_prompt(s, 3, system + [50, 51, 52, 53, 60, 90, 91], [64])  # the first one's next turn
-    assert [(c.start, c.length, c.restore, c.save) for c in turn] == [(12, 4, 5, 0)]
-    assert s.cache.hit_tokens == 8 + 12 and s.prompt_tokens == 13 + 14 + 10 + 16
-    # With one slot fewer the first prompt's snapshot is the least recently used when the second saves its last.
-    s = make_scheduler(snapshots=2)
-    run_prompt(s, 0, system + [50, 51, 52, 53], [60, 61])
-    run_prompt(s, 1, system + [70, 71, 72, 73, 74], [62])
+    # Resumes where the system prompt ends. Both request slots (1, 2) keep the state of the request that ended in
+    # them (its tail's), so it takes slot 1, stashing the first's state first, in the least recently used snapshot
+    # slot (5: the first's own at 12, superseded by its tail).
+    third = run_prompt(s, 2, system + [80], [63])
+    assert [(c.start, c.length, c.restore, c.save, c.stash) for c in third] == [(8, 2, 4, 0, (1, 5))]
+    # The first one's next turn resumes after its answer's first token (its tail: 14 computed tokens) from that
+    # stash, taking slot 2 and stashing the second's state on the way.
     turn = run_prompt(s, 3, system + [50, 51, 52, 53, 60, 90, 91], [64])
-    assert [(c.start, c.length, c.restore > 0, c.save > 0) for c in turn] == [(8, 4, True, True), (12, 4, False, False)]
+    assert [(c.start, c.length, c.restore, c.save, c.stash) for c in turn] == [(14, 2, 5, 0, (2, 3))]
+    assert s.cache.hit_tokens == 8 + 14 and s.prompt_tokens == 13 + 14 + 10 + 16
 
 
-def test_a_next_turn_saves_no_snapshot_where_the_previous_answer_ends():
+def test_a_next_turn_resumes_after_the_previous_answer_in_the_slot_that_kept_its_state():
     s = make_scheduler()
     prompt = tokens(13)
     answer = [60, 61, 62, 63, 64, 65, 66]
-    run_prompt(s, 0, prompt, answer)  # its answer's first full page (tokens 12-15) is cached when it ends
+    run_prompt(s, 0, prompt, answer)  # 19 tokens computed: four pages cached, and a tail of 3 tokens (16-18)
+    assert s.cache.idle_pages == 5 and list(s.keeping) == [1]
     turn = run_prompt(s, 1, prompt + answer + [90, 91, 92], [67])
-    # It shares four pages and resumes at 12 (the snapshot); page 16 only extends that path: no snapshot there.
-    assert [(c.start, c.length, c.restore > 0, c.save > 0) for c in turn] == [(12, 8, True, True),
-                                                                              (20, 3, False, False)]
+    # It resumes at 19 in slot 1, which still holds the state there: no copy. It saves a snapshot only before its
+    # last token (20); page edge 16 only extends the cached path.
+    assert [(c.start, c.length, c.restore, c.save > 0, c.stash) for c in turn] == [(19, 1, 0, True, None),
+                                                                                   (20, 3, 0, False, None)]
+    assert s.cache.hit_tokens == 19
+
+
+def test_tail_states_are_stashed_when_their_slot_is_needed_and_resumed_from_there():
+    s = make_scheduler(snapshots=2)  # request slots 1, 2; snapshot slots 3, 4
+    a, b = tokens(6), tokens(6, start=40)
+    run_prompt(s, 0, a, [60, 61])  # its snapshot at 4 in slot 4; its tail (14, 15, 60) kept in slot 1
+    run_prompt(s, 1, b, [62])  # snapshot at 4 in slot 3; tail (44, 45) in slot 2
+    assert [tail.tokens for tail in s.keeping.values()] == [(14, 15, 60), (44, 45)]
+    second_a = run_prompt(s, 2, a + [60, 61, 90], [63])  # in slot 1: no copy
+    assert [(c.start, c.length, c.restore, c.save, c.stash) for c in second_a] == [(7, 1, 0, 3, None),
+                                                                                    (8, 1, 0, 0, None)]
+    # Both slots keep a state: a new prompt takes the one kept longest (b's), stashing b's state in the least
+    # recently used snapshot slot (4: a's at 4, superseded by the snapshot at 8 on the same path).
+    other = run_prompt(s, 3, tokens(5, start=70), [64])
+    assert [(c.start, c.length, c.restore, c.save, c.stash) for c in other] == [(0, 4, 0, 3, (2, 4)),
+                                                                                 (4, 1, 0, 0, None)]
+    # b's next turn restores b's state from its stash, and takes slot 1, stashing the state kept there in the same
+    # slot 4: every copy before a step reads the states before any is written.
+    second_b = run_prompt(s, 4, b + [62, 91], [65])
+    assert [(c.start, c.length, c.restore, c.save, c.stash) for c in second_b] == [(6, 2, 4, 0, (1, 4))]
+    assert s.cache.hit_tokens == 7 + 6
+
+
+def test_a_tail_whose_snapshot_is_reused_is_no_longer_resumed_from_and_its_page_is_evicted():
+    cache = PrefixCache(PAGE, snapshot_slots=[7])
+    node, _ = cache.insert(None, (1, 2, 3, 4), page=1)
+    cache.snapshot_slot(node)
+    tail = cache.add_tail(node, (5, 6), page=2, slot=1)
+    cache.release([node])
+    prompt = [1, 2, 3, 4, 5, 6, 9]
+    match = cache.match(prompt, 6)
+    assert (match.tokens, match.tail, match.snapshot, match.pages) == (6, tail, None, [node])
+    assert cache.match(prompt, 5).tail is None and cache.match(prompt, 5).tokens == 4  # past the limit
+    assert cache.stash(tail) == 7 and node.snapshot is None  # the only snapshot slot, taken from the node
+    assert cache.match(prompt, 6).snapshot == 7
+    other, _ = cache.insert(None, (8, 8, 8, 8), page=3)
+    cache.snapshot_slot(other)  # takes slot 7 back: the tail's state is gone
+    assert cache.match(prompt, 6).tokens == 0 and tail.snapshot is None
+    assert len(cache) == 3 and cache.evict(1) == [2]  # the tail's page, the least recently used idle one
+    zero = cache.add_tail(node, (), page=None, slot=2)  # ended on a page edge: only a state
+    assert cache.match(prompt, 6).tail is zero and cache.match(prompt, 6).tokens == 4
+    cache.release([other])
+    assert cache.clear() == [1, 3] and zero.dropped and len(cache) == 0 and cache.snapshots == 0
 
 
 def test_attention_only_models_resume_at_any_cached_page_and_chunks_are_not_cut():
@@ -167,15 +212,18 @@ def test_attention_only_models_resume_at_any_cached_page_and_chunks_are_not_cut(
     assert [(c.start, c.length, c.restore, c.save) for c in second] == [(8, 2, 0, 0)]
     same = run_prompt(s, 2, system + [50, 51, 52, 53], [60])  # the same prompt: all but its last page's token
     assert [(c.start, c.length) for c in same] == [(12, 1)]
+    # A next turn resumes after the prompt (13 computed, the answer's one token not), in the tail page it left.
+    turn = run_prompt(s, 3, system + [50, 51, 52, 53, 60, 99], [62])
+    assert [(c.start, c.length) for c in turn] == [(13, 2)] and s.cache.hit_tokens == 8 + 12 + 13
 
 
 def test_cached_pages_count_as_free_and_are_evicted_when_the_pool_needs_them():
     s = make_scheduler(num_pages=6, recurrent=False, max_seq_len=20)  # 5 usable pages of 4 tokens
-    run_prompt(s, 0, tokens(12), [1, 2, 3])  # 14 tokens computed: 3 full pages cached
-    assert s.cache.idle_pages == 3 and len(s.free_pages) == 2 and s._free_count() == 5
-    run_prompt(s, 1, tokens(17, start=40), [4])  # needs 5 pages: takes the 3 cached ones back
-    assert s.cache.idle_pages == 4 and len(s.free_pages) == 1
-    assert s.clear_prefix_cache() == 4 and len(s.free_pages) == 5 and len(s.cache) == 0
+    run_prompt(s, 0, tokens(12), [1, 2, 3])  # 14 tokens computed: 3 full pages cached and a tail of 2 tokens
+    assert s.cache.idle_pages == 4 and len(s.free_pages) == 1 and s._free_count() == 5
+    run_prompt(s, 1, tokens(17, start=40), [4])  # needs 5 pages: takes the 4 cached ones back (the tail first)
+    assert s.cache.idle_pages == 5 and len(s.free_pages) == 0  # 4 full pages and a tail of 1 token
+    assert s.clear_prefix_cache() == 5 and len(s.free_pages) == 5 and len(s.cache) == 0
 
 
 def test_a_new_request_joins_the_group_holding_its_prefix_while_loads_allow():
@@ -247,13 +295,33 @@ def test_shared_system_prompt_and_identical_prompts(served):
 def test_conversation_turns_resume_after_the_previous_turns(served):
     rng = np.random.default_rng(2)
     conversation = rng.integers(3, 97, size=21).tolist()
-    before = hits(served[1])
     for turn in range(4):
+        before = hits(served[1])
+        computed = len(conversation) - 1  # the previous answer's last token was not fed back
         conversation += rng.integers(3, 97, size=5 + turn).tolist()  # the user's message
         (answer,) = check_against_transformers(served, [conversation])
+        assert turn == 0 or hits(served[1]) - before >= computed  # resumed after the previous answer
         conversation += answer
-    assert hits(served[1]) - before >= 16 + 32 + 48
     assert_nothing_held(served[1])
+
+
+def test_a_conversation_whose_slot_was_taken_resumes_from_its_stashed_state(served):
+    hf_model, llm = served
+    llm.engine.clear_prefix_cache()  # every request slot free
+    (group,) = llm.engine.scheduler.groups
+    rng = np.random.default_rng(6)
+    conversation = rng.integers(3, 97, size=5).tolist()
+    (answer,) = check_against_transformers(served, [conversation])
+    conversation += answer + [7, 8]
+    # Four other prompts take the three free slots and the one that kept the conversation's state, stashing it.
+    check_against_transformers(served, [rng.integers(3, 97, size=5).tolist() for _ in range(4)])
+    match = group.prefix_match(Request(99, conversation, GREEDY, seed=0))
+    if group.cache.recurrent:
+        assert match.tail is not None and match.tail.slot is None and match.snapshot is not None
+    before = hits(llm)
+    check_against_transformers(served, [conversation])
+    assert hits(llm) - before == match.tokens >= len(conversation) - 3  # the tail: all but the answer's last token
+    assert_nothing_held(llm)
 
 
 def test_prefixes_on_a_page_edge_and_prompts_that_are_prefixes_of_others(served):
