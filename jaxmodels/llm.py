@@ -24,6 +24,9 @@ class RequestOutput:
     text: str | None  # None when the checkpoint has no tokenizer
     finish_reason: str | None  # "stop", "length", "abort", "error"; None while streaming an unfinished request
     error: str | None = None
+    # With SamplingParams(logprobs=k): per token, (its log probability, [(token id, log probability)] of the k
+    # most likely), under the distribution SamplingParams describes.
+    logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -139,7 +142,8 @@ class LLM:
             return RequestOutput(index, prompt, [], None, "error", error)
         tokens = list(request.output)
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
-        return RequestOutput(index, list(request.prompt), tokens, text, request.finish_reason)
+        logprobs = list(request.logprobs) if request.params.logprobs is not None else None
+        return RequestOutput(index, list(request.prompt), tokens, text, request.finish_reason, logprobs=logprobs)
 
     def generate_stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
         """Yield a RequestOutput (all tokens so far) each time a request gets a token or is rejected; the last one

@@ -78,6 +78,66 @@ class SamplingKnobs:
         return not np.any(self.temperature > 0)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AdjustKnobs:
+    """What the adjusting sampler (engine.sampler.sample_adjusted) reads besides SamplingKnobs, per row: the
+    penalties, min_tokens, the (token, bias) entries (those of min_tokens' stop tokens flagged), and whether the
+    row's token is one of its request's outputs (counted for the penalties; not for a chunk that leaves part of
+    its prompt for later, nor for padding)."""
+
+    presence: np.ndarray  # float32[R]
+    frequency: np.ndarray  # float32[R]
+    repetition: np.ndarray  # float32[R]
+    min_tokens: np.ndarray  # int32[R]
+    bias_ids: np.ndarray  # int32[R, BIAS_ENTRIES]
+    bias: np.ndarray  # float32[R, BIAS_ENTRIES]
+    bias_stops: np.ndarray  # bool[R, BIAS_ENTRIES]
+    counted: np.ndarray  # bool[R]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenRecord:
+    """The tokens an extend step's penalized requests compute, for the device's per-slot counts
+    (engine.sampler.record_tokens): P entries (padding: slot 0), and the slots whose request starts over (its first
+    chunk), whose counts are cleared first."""
+
+    slots: np.ndarray  # int32[P]
+    tokens: np.ndarray  # int32[P]
+    is_output: np.ndarray  # bool[P]: an output token being recomputed (a prompt token otherwise)
+    restarted: np.ndarray  # int32[S]
+
+
+def adjust_knobs(tables, slot_ids: np.ndarray, counted: np.ndarray) -> AdjustKnobs:
+    return AdjustKnobs(presence=tables.presence[slot_ids], frequency=tables.frequency[slot_ids],
+                       repetition=tables.repetition[slot_ids], min_tokens=tables.min_tokens[slot_ids],
+                       bias_ids=tables.bias_ids[slot_ids], bias=tables.bias[slot_ids],
+                       bias_stops=tables.bias_stops[slot_ids], counted=counted)
+
+
+def extend_adjust_knobs(chunks, num_seqs: int, tables, record_size: int) -> tuple[AdjustKnobs, TokenRecord]:
+    """An extend step's AdjustKnobs, and the TokenRecord of its penalized chunks (record_size entries)."""
+    slot_ids = np.zeros(num_seqs, np.int32)
+    counted = np.zeros(num_seqs, bool)
+    slots = np.zeros(record_size, np.int32)
+    tokens = np.zeros(record_size, np.int32)
+    is_output = np.zeros(record_size, bool)
+    restarted = np.zeros(num_seqs, np.int32)
+    offset = 0
+    for i, chunk in enumerate(chunks):
+        request, end = chunk.request, chunk.start + chunk.length
+        slot_ids[i], counted[i] = request.slot, end == len(request.token_ids)
+        if not request.params.penalized:
+            continue
+        restarted[i] = request.slot if chunk.start == 0 else 0
+        slots[offset: offset + chunk.length] = request.slot
+        tokens[offset: offset + chunk.length] = request.token_ids[chunk.start: end]
+        is_output[offset: offset + chunk.length] = np.arange(chunk.start, end) >= len(request.prompt)
+        offset += chunk.length
+    return adjust_knobs(tables, slot_ids, counted), TokenRecord(slots, tokens, is_output, restarted)
+
+
 def _sampling(tables, slot_ids: np.ndarray, ends: np.ndarray) -> SamplingKnobs:
     """The knobs of rows whose sampled token follows position ends - 1."""
     return SamplingKnobs(slot_ids=slot_ids, temperature=tables.temperature[slot_ids], top_p=tables.top_p[slot_ids],

@@ -21,7 +21,7 @@ import jax
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
 from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, reports_memory, total_bytes
-from jaxmodels.engine.request import Request, SamplingParams, prompt_problems
+from jaxmodels.engine.request import BIAS_ENTRIES, Request, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import GroupedScheduler
 from jaxmodels.engine.step import ModelStep
@@ -84,6 +84,21 @@ class StepTimes:
     wait_s: float = 0.0  # of which blocked on the device's tokens
     spec_draft_tokens: int = 0  # drafts checked by VERIFY steps (k per request and step)
     spec_accepted_tokens: int = 0  # of which accepted
+
+
+def _attach_logprobs(step, got: list[Request], chosen, top_ids, top_logprobs) -> None:
+    """Give each request of `got` that asks for logprobs those of the token it just got (row r of its group's part
+    of the step's arrays: its chunk's or its own)."""
+    got = {request.request_id for request in got}
+    for g, work in enumerate(step.works):
+        for r, item in enumerate(work):
+            request = item.request if step.kind is StepKind.EXTEND else item
+            k = request.params.logprobs
+            if k is None or request.request_id not in got:
+                continue
+            row = g * step.rows_per_group + r
+            request.logprobs.append((float(chosen[row]),
+                                     list(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist()))))
 
 
 class Engine:
@@ -243,7 +258,7 @@ class Engine:
         """Queue a request; raises InvalidRequest (touching no state) when the prompt or its params are bad."""
         prompt = [int(t) if hasattr(t, "__index__") else t for t in prompt]
         problems = prompt_problems(prompt, vocab_size=self.config.vocab_size, max_seq_len=self.max_seq_len)
-        problems += params.problems()
+        problems += params.problems() or self._adjustment_problems(params)
         if problems:
             raise InvalidRequest("; ".join(problems))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
@@ -252,6 +267,22 @@ class Engine:
         self._live[request.request_id] = request
         self.scheduler.add(request)
         return request
+
+    def _adjustment_problems(self, params: SamplingParams) -> list[str]:
+        """What this engine cannot do of `params`' logit adjustments and logprobs."""
+        if not params.adjusted:
+            return []
+        if self.num_speculative_tokens:
+            return ["penalties, logit_bias, min_tokens and logprobs are not supported with speculative decoding "
+                    "(num_speculative_tokens > 0)"]
+        out = []
+        if any(token >= self.config.vocab_size for token in params.logit_bias or {}):
+            out.append(f"logit_bias has a token id outside the vocabulary [0, {self.config.vocab_size})")
+        stops = len(params.stop_token_ids) + (0 if params.ignore_eos else len(self.eos_ids)) if params.min_tokens else 0
+        if len(params.logit_bias or {}) + stops > BIAS_ENTRIES:
+            out.append(f"logit_bias has {len(params.logit_bias)} entries and min_tokens holds back {stops} stop "
+                       f"tokens: at most {BIAS_ENTRIES} together")
+        return out
 
     def abort(self, request_id: int) -> None:
         """Stop a request at the next step boundary: its slot and pages are freed, and the next `step()` returns it
@@ -310,6 +341,9 @@ class Engine:
             start = time.perf_counter()
             sampled = self.runner.read(step.tokens)
             self.times.wait_s += time.perf_counter() - start
+            logprobs = None
+            if isinstance(sampled, tuple):  # the adjusting sampler's: tokens, then their logprobs
+                sampled, *logprobs = sampled
             rows = step.rows_per_group
             per_group = [sampled[g * rows: g * rows + len(work)].tolist() for g, work in enumerate(step.works)]
             if step.kind is StepKind.VERIFY:  # drafts of requests still running (not of a finished one's extra step)
@@ -318,8 +352,11 @@ class Engine:
                 self.times.spec_draft_tokens += self.num_speculative_tokens * len(live)
                 self.times.spec_accepted_tokens += sum(result[-1] for result in live)
             before = self.scheduler.num_generated
-            got += self.scheduler.finish(step.kind, step.works, per_group)
+            got_now = self.scheduler.finish(step.kind, step.works, per_group)
             self.times.generated_tokens += self.scheduler.num_generated - before
+            if logprobs is not None:
+                _attach_logprobs(step, got_now, *logprobs)
+            got += got_now
         return got
 
     def _count(self, kind: StepKind, works) -> None:

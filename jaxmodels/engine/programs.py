@@ -10,12 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmodels.engine.batch import decode_batch, extend_batch, verify_batch
+from jaxmodels.engine.batch import adjust_knobs, decode_batch, extend_adjust_knobs, extend_batch, verify_batch
 from jaxmodels.engine.buckets import bucket_for
 from jaxmodels.engine.scheduler import SlotTables
 from jaxmodels.step_context import StepKind
 
 SAMPLERS = ("greedy", "sample")
+# The samplers of steps with requests that adjust their logits or ask for logprobs (engine.sampler.sample_adjusted).
+ADJUSTED_GREEDY = "adjusted_greedy"
+ADJUSTED = (ADJUSTED_GREEDY, "adjusted_sample")
 # Programs of a speculative engine besides the samplers (see engine.runner).
 EXTEND_HIDDEN, DRAFT = "extend_hidden", "draft"
 
@@ -34,14 +37,14 @@ def concat_groups(parts: list):
 class StepPrograms:
     def __init__(self, programs: dict, arrays: dict, *, decode_sizes, prefill_sizes, max_seqs: int, dp: int,
                  speculative: int, pages_per_seq: int, vocab_size: int, hidden_size: int, dtype,
-                 state_copies: int = 0):
+                 state_copies: int = 0, record_size: int = 0):
         """`programs`: the runner's jitted programs by name (see jobs); `arrays`: its params, caches, last_tokens and
         drafts, of which only the shapes, dtypes and shardings are kept."""
         self.programs = programs
         self.abstract = jax.tree.map(abstract, arrays)
         self.decode_sizes, self.prefill_sizes = decode_sizes, prefill_sizes
         self.max_seqs, self.dp, self.speculative = max_seqs, dp, speculative
-        self.state_copies = state_copies
+        self.state_copies, self.record_size = state_copies, record_size
         self.vocab_size, self.hidden_size, self.dtype = vocab_size, hidden_size, dtype
         self.example_tables = SlotTables(1, pages_per_seq)
         self._compiled: dict[tuple, object] = {}
@@ -58,11 +61,13 @@ class StepPrograms:
     def bucket_jobs(self, kind: StepKind, n: int) -> list[tuple]:
         """The executables a step of `kind` (EXTEND, or DECODE for decode and verify steps) in bucket n calls."""
         if kind is StepKind.EXTEND:
-            forwards = [(EXTEND_HIDDEN, n), (DRAFT, n)] if self.speculative else [(StepKind.EXTEND, n)]
-            return forwards + [("sampler", self.max_seqs, mode) for mode in SAMPLERS]
+            if self.speculative:
+                return [(EXTEND_HIDDEN, n), (DRAFT, n)] + [("sampler", self.max_seqs, mode) for mode in SAMPLERS]
+            return ([(StepKind.EXTEND, n)] + [("sampler", self.max_seqs, mode) for mode in SAMPLERS]
+                    + [("sampler", self.max_seqs, "extend", mode) for mode in ADJUSTED])
         if self.speculative:
             return [(StepKind.VERIFY, n, mode) for mode in SAMPLERS]
-        return [(StepKind.DECODE, n)] + [("sampler", n, mode) for mode in SAMPLERS]
+        return [(StepKind.DECODE, n)] + [("sampler", n, mode) for mode in SAMPLERS + ADJUSTED]
 
     def jobs(self) -> list[tuple]:
         """Every executable serving may call."""
@@ -80,6 +85,13 @@ class StepPrograms:
             part = decode_batch([], n, self.example_tables)
         return concat_groups([part] * self.dp)
 
+    def _example_adjust(self, rows: int, extend: bool) -> tuple:
+        """All-padding AdjustKnobs of `rows` rows (and an extend step's TokenRecord) for every group."""
+        tables = self.example_tables
+        if extend:
+            return concat_groups([extend_adjust_knobs([], rows, tables, self.record_size)] * self.dp)
+        return concat_groups([(adjust_knobs(tables, np.zeros(rows, np.int32), np.zeros(rows, bool)),)] * self.dp)
+
     def program_and_args(self, job) -> tuple:
         """(the jitted program of `job`, abstract arguments of its exact shapes, dtypes and shardings)."""
         program, n, *mode = job
@@ -87,7 +99,11 @@ class StepPrograms:
         if program == "sampler":
             logits = jax.ShapeDtypeStruct((self.dp * n, self.vocab_size), jnp.float32)
             _, knobs = self.example(StepKind.DECODE, n)
-            return self.programs[mode[0]], (logits, abstract["last_tokens"], knobs)
+            if mode[0] in SAMPLERS:
+                return self.programs[mode[0]], (logits, abstract["last_tokens"], knobs)
+            part = self._example_adjust(n, extend=mode[0] == "extend")
+            return self.programs[tuple(mode) if len(mode) > 1 else mode[0]], (
+                logits, abstract["last_tokens"], knobs, part[0], abstract["token_counts"], *part[1:])
         model_args = (abstract["params"], abstract["caches"])
         if program == EXTEND_HIDDEN:
             return self.programs[program], (*model_args, self.example(StepKind.EXTEND, n)[0])

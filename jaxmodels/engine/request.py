@@ -5,8 +5,24 @@ import enum
 import math
 
 
+# Top logprobs a token can come with (OpenAI's limit).
+MAX_LOGPROBS = 20
+# Width of a request's row of logit biases on the device: its logit_bias entries, and while min_tokens holds, one
+# per stop token (EOS and stop_token_ids), which get -inf.
+BIAS_ENTRIES = 128
+
+
 @dataclasses.dataclass
 class SamplingParams:
+    """How a request's tokens are drawn. The logits go through, in this order (engine.sampler.adjust_logits):
+    `logit_bias` (token id -> a number added to its logit), `min_tokens` (its stop tokens, EOS among them unless
+    `ignore_eos`, cannot be drawn before that many tokens), `repetition_penalty` (a logit of a token seen in the
+    prompt or the output so far is divided by it where positive, multiplied where negative),
+    `frequency_penalty` and `presence_penalty` (subtracted from a token's logit, times its count in the output so
+    far, and once if it is there at all), then temperature, top-k and top-p. `logprobs` k: each output token comes
+    with its log probability and the k most likely tokens' under the distribution after the penalties and the
+    temperature, before top-k and top-p (a greedy request's: at temperature 1)."""
+
     max_new_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
@@ -14,10 +30,26 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # None: none; k: the drawn token's and the k most likely ones'
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits depend on the tokens before (penalties): the device keeps counts for it."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether it needs the sampler that adjusts logits and reports logprobs (engine.sampler.sample_adjusted)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.logprobs is not None
 
     def problems(self) -> list[str]:
         """What is wrong with these values (empty when nothing is)."""
-        out = []
+        out = self._adjustment_problems()
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             out.append(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
@@ -30,6 +62,33 @@ class SamplingParams:
             out.append(f"seed must be an int in [0, 2**32), got {self.seed!r}")
         if any(not isinstance(t, int) for t in self.stop_token_ids):
             out.append(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
+        return out
+
+    def _adjustment_problems(self) -> list[str]:
+        out = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2 <= value <= 2:
+                out.append(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            out.append(f"repetition_penalty must be a number in (0, 2], got {self.repetition_penalty!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            out.append(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        elif isinstance(self.max_new_tokens, int) and self.min_tokens > self.max_new_tokens:
+            out.append(f"min_tokens ({self.min_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                out.append(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            else:
+                if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logit_bias):
+                    out.append("logit_bias keys must be token ids (ints >= 0)")
+                if any(not _finite(v) or not -100 <= v <= 100 for v in self.logit_bias.values()):
+                    out.append("logit_bias values must be numbers in [-100, 100]")
+                if len(self.logit_bias) > BIAS_ENTRIES:
+                    out.append(f"logit_bias has {len(self.logit_bias)} entries; at most {BIAS_ENTRIES}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            out.append(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         return out
 
 
@@ -82,9 +141,16 @@ class Request:
     cached: list = dataclasses.field(default_factory=list)
     snapshot_points: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    # With params.logprobs: per output token (its log probability, [(token id, log probability)] of the most likely).
+    logprobs: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt) + list(self.output)
+
+    @property
+    def stop_tokens(self) -> list[int]:
+        """The tokens that end it (those min_tokens holds back)."""
+        return list(self.params.stop_token_ids) + ([] if self.params.ignore_eos else sorted(self.eos_ids))
 
     @property
     def decoding(self) -> bool:
@@ -106,6 +172,7 @@ class Request:
                                                             max_seq_len)
 
     def stop_reason(self, token: int, max_seq_len: int) -> str | None:
+        # (Before min_tokens, the sampler never draws a stop token: it holds them at -inf.)
         if token in self.params.stop_token_ids or (token in self.eos_ids and not self.params.ignore_eos):
             return "stop"
         if len(self.output) >= self.params.max_new_tokens or len(self.token_ids) >= max_seq_len:

@@ -42,9 +42,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmodels.engine import sampler
-from jaxmodels.engine.batch import decode_batch, extend_batch, next_tokens, verify_batch
+from jaxmodels.engine.batch import (adjust_knobs, decode_batch, extend_adjust_knobs, extend_batch, next_tokens,
+                                    verify_batch)
 from jaxmodels.engine.cache import allocate_caches
-from jaxmodels.engine.programs import DRAFT, EXTEND_HIDDEN, SAMPLERS, StepPrograms, concat_groups
+from jaxmodels.engine.programs import (ADJUSTED, ADJUSTED_GREEDY, DRAFT, EXTEND_HIDDEN, SAMPLERS, StepPrograms,
+                                       concat_groups)
+from jaxmodels.engine.request import MAX_LOGPROBS
 from jaxmodels.engine.speculative import DraftState
 from jaxmodels.layers.tensor_parallel import TP
 from jaxmodels.step_context import StepKind
@@ -107,6 +110,19 @@ def _sampler_fn(mode: str):
     return run
 
 
+def _adjusted_sampler_fn(mode: str, *, extend: bool):
+    """The sampler of steps with adjusted or logprob-reporting requests (sampler.sample_adjusted); an extend step's
+    first records its penalized requests' tokens."""
+    def run(logits, last_tokens, knobs, adjust, counts, record=None):
+        if extend:
+            counts = sampler.record_tokens(counts, record)
+        tokens, *logprobs, counts = sampler.sample_adjusted(logits, knobs, adjust, counts,
+                                                            greedy_only=mode == ADJUSTED_GREEDY, top=MAX_LOGPROBS)
+        return (tokens, *logprobs), last_tokens.at[knobs.slot_ids].set(tokens), counts
+
+    return run
+
+
 def _by_groups(shapes: list, dp: int) -> list:
     """Per-layer cache shapes of one group's pools -> those of `dp` groups' pools stacked on the pool axis (the
     leading one of every cache array: pages or slots)."""
@@ -143,6 +159,10 @@ class Runner:
         self.last_tokens = jnp.zeros((self.dp * sizes.num_slots,), jnp.int32)
         # Each slot's drafts for its next verify step and its last token's position (unused without speculation).
         self.drafts = DraftState.zeros(self.dp * sizes.num_slots, max(self.speculative, 1))
+        # Each slot's token counts for penalized requests (none with speculation, which does not take them).
+        self.token_counts = sampler.TokenCounts.zeros(self.dp * sizes.num_slots if not self.speculative else self.dp,
+                                                      step.config.vocab_size)
+        self.record_size = max(prefill_sizes)
         self._to_devices = lambda tree: tree  # numpy batches go to the executables as they are
         self._mesh = mesh
         if mesh is None:
@@ -155,6 +175,11 @@ class Runner:
         model_in = ("params", "caches")
         programs = {mode: self._jit(_sampler_fn(mode), ("rows",) * 3, ("rows",) * 2, donate=(1,))
                     for mode in SAMPLERS}
+        for mode in ADJUSTED:
+            programs[mode] = self._jit(_adjusted_sampler_fn(mode, extend=False), ("rows",) * 5, ("rows",) * 3,
+                                       donate=(1, 4))
+            programs["extend", mode] = self._jit(_adjusted_sampler_fn(mode, extend=True), ("rows",) * 6,
+                                                 ("rows",) * 3, donate=(1, 4))
         if self.speculative:
             programs[EXTEND_HIDDEN] = self._jit(_extend_hidden_fn(step, names, dp_axis), model_in + ("rows",),
                                                 ("rows", "rows", "caches"), donate=(1,))
@@ -170,9 +195,10 @@ class Runner:
                                            ("rows", "caches"), donate=(1,))
         # What warm-up compiles, and which buckets steps may use (engine.programs, engine.warmup).
         self.programs = StepPrograms(
-            programs, dict(params=self.params, caches=self.caches, last_tokens=self.last_tokens, drafts=self.drafts),
+            programs, dict(params=self.params, caches=self.caches, last_tokens=self.last_tokens, drafts=self.drafts,
+                           token_counts=self.token_counts),
             decode_sizes=decode_sizes, prefill_sizes=prefill_sizes, max_seqs=self.max_seqs, dp=self.dp,
-            state_copies=state_copies,
+            state_copies=state_copies, record_size=self.record_size,
             speculative=self.speculative, pages_per_seq=sizes.pages_per_seq, vocab_size=step.config.vocab_size,
             hidden_size=step.config.hidden_size, dtype=step.dtype)
         self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmodels-launch")
@@ -195,6 +221,7 @@ class Runner:
         self._by_group = by_group = NamedSharding(mesh, PartitionSpec(DP))
         self.last_tokens = jax.device_put(self.last_tokens, by_group)
         self.drafts = jax.device_put(self.drafts, by_group)
+        self.token_counts = jax.device_put(self.token_counts, by_group)
         if jax.process_count() > 1:  # each process feeds its own devices' rows of the host's batch
             self._to_devices = lambda tree: jax.tree.map(
                 lambda a: jax.make_array_from_callback(a.shape, by_group, lambda index: a[index]), tree)
@@ -229,11 +256,26 @@ class Runner:
             logits, self.last_tokens, knobs)
         return tokens
 
-    def _run(self, kind, n, batch, knobs):
+    def _sample_adjusted(self, kind, logits, knobs, adjust, record):
+        """Send the adjusting sampler (an extend step's records its penalized tokens first); -> (tokens, their
+        logprobs, the top tokens, their logprobs) as device arrays."""
+        mode = ADJUSTED_GREEDY if knobs.greedy else ADJUSTED[1]
+        rows = logits.shape[0] // self.dp
+        if kind is StepKind.EXTEND:
+            results, self.last_tokens, self.token_counts = self._executable(("sampler", rows, "extend", mode))(
+                logits, self.last_tokens, knobs, adjust, self.token_counts, record)
+        else:
+            results, self.last_tokens, self.token_counts = self._executable(("sampler", rows, mode))(
+                logits, self.last_tokens, knobs, adjust, self.token_counts)
+        return results
+
+    def _run(self, kind, n, batch, knobs, adjust=None, record=None):
         """Send one step (forward, then sampler) to the device; returns its sampled tokens as a device array, not
-        waited for."""
-        batch, knobs = self._to_devices((batch, knobs))
+        waited for (with `adjust`: the adjusting sampler's tokens and logprobs)."""
+        batch, knobs, adjust, record = self._to_devices((batch, knobs, adjust, record))
         logits, self.caches = self._executable((kind, n))(self.params, self.caches, self.last_tokens, batch)
+        if adjust is not None:
+            return self._sample_adjusted(kind, logits, knobs, adjust, record)
         return self._sample(logits, knobs)
 
     def _run_extend_and_draft(self, n, batch, knobs, following):
@@ -271,11 +313,11 @@ class Runner:
         every process's devices in a multi-process job."""
         if isinstance(tokens, concurrent.futures.Future):
             tokens = tokens.result()
-        if tokens.is_fully_addressable:
-            return np.asarray(tokens)
+        if all(array.is_fully_addressable for array in jax.tree.leaves(tokens)):
+            return jax.tree.map(np.asarray, tokens)
         from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(tokens, tiled=True))
 
     def launch(self, kind: StepKind, works: list, tables: list) -> tuple[object, int]:
         """Send one step of every dp group's work (works[g]: group g's chunks or requests, [] when idle; tables[g]
@@ -289,10 +331,15 @@ class Runner:
             if self.speculative:
                 following = np.concatenate([next_tokens(chunks, n) for chunks in works])
                 return self._send(self._run_extend_and_draft, n, *concat_groups(parts), following), self.max_seqs
+            if any(chunk.request.params.adjusted for chunks in works for chunk in chunks):
+                parts = [(*part, *extend_adjust_knobs(chunks, self.max_seqs, t, self.record_size))
+                         for part, chunks, t in zip(parts, works, tables)]
             return self._send(self._run, kind, n, *concat_groups(parts)), self.max_seqs
         n = self.programs.bucket(StepKind.DECODE, max(map(len, works)))
         if kind is StepKind.VERIFY:
             parts = [verify_batch(r, n, t) for r, t in zip(works, tables)]
             return self._send(self._run_verify, n, *concat_groups(parts)), n
         parts = [decode_batch(r, n, t) for r, t in zip(works, tables)]
+        if any(t.adjusted[part[0].slot_ids].any() for part, t in zip(parts, tables)):
+            parts = [(*part, adjust_knobs(t, part[0].slot_ids, part[0].slot_ids > 0)) for part, t in zip(parts, tables)]
         return self._send(self._run, kind, n, *concat_groups(parts)), n

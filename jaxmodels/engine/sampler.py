@@ -8,7 +8,15 @@ Two functions, one program each: `greedy` (an argmax) and `sample` (every knob; 
 vocabulary serves top-k and top-p, which costs real time at 100k+ tokens). The engine picks one per step on the host,
 from the batch's temperatures. Choosing on the device with an XLA conditional would stall the GPU engine: a
 conditional copies its predicate to the host and waits for it, blocking the thread that launches steps.
+
+A step with a request that adjusts its logits (penalties, logit_bias, min_tokens) or asks for logprobs runs
+`sample_adjusted` instead (greedy or not, again chosen on the host), which also returns the logprobs. Penalties need
+each request's counts of the tokens it has seen, which the device keeps per slot (`TokenCounts`): prompt tokens
+(`record_tokens`, as an extend step computes them) and output tokens (as they are drawn). A penalized request is
+computed from its first token whenever it is admitted (it takes no cached prefix), so its counts are always whole.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -59,3 +67,60 @@ def _ranked_filtered(logits, temperature, top_k, top_p):
     probs = jax.nn.softmax(ranked, axis=-1)
     mass_before = prefix_sum(probs, axis=1) - probs  # (not jnp.cumsum: see pallas_kernels.packing)
     return order, jnp.where(mass_before < top_p[:, None], ranked, -jnp.inf)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenCounts:
+    """Per slot: how often each token was drawn as an output (int32[slots, V]) and which tokens its prompt holds
+    (bool[slots, V]); read for penalized requests only, so other slots' rows are whatever they were."""
+
+    output: jax.Array
+    in_prompt: jax.Array
+
+    @classmethod
+    def zeros(cls, slots: int, vocab_size: int) -> "TokenCounts":
+        return cls(jnp.zeros((slots, vocab_size), jnp.int32), jnp.zeros((slots, vocab_size), bool))
+
+
+def record_tokens(counts: TokenCounts, record) -> TokenCounts:
+    """An extend step's penalized tokens (batch.TokenRecord) into the counts, after clearing the slots whose request
+    starts over (padding lands in the null slot 0)."""
+    output = counts.output.at[record.restarted].set(0)
+    in_prompt = counts.in_prompt.at[record.restarted].set(False)
+    output = output.at[record.slots, record.tokens].add(record.is_output.astype(jnp.int32))
+    in_prompt = in_prompt.at[record.slots, record.tokens].max(~record.is_output)
+    return TokenCounts(output, in_prompt)
+
+
+def adjust_logits(logits, slot_ids, step, adjust, counts: TokenCounts):
+    """logits[R, V] float32 -> after logit_bias, min_tokens and the penalties (SamplingParams says how).
+    step int32[R]: the index of the output token being drawn; adjust: batch.AdjustKnobs."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    holding = adjust.bias_stops & (step < adjust.min_tokens)[:, None]  # min_tokens: stop tokens at -inf
+    bias = jnp.where(adjust.bias_stops & ~holding, 0.0, adjust.bias)
+    logits = logits.at[rows, adjust.bias_ids].add(bias)
+    output = counts.output[slot_ids]
+    drawn = output > 0
+    seen = drawn | counts.in_prompt[slot_ids]
+    repetition = adjust.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return (logits - adjust.frequency[:, None] * output.astype(logits.dtype)
+            - adjust.presence[:, None] * drawn.astype(logits.dtype))
+
+
+def sample_adjusted(logits, knobs, adjust, counts: TokenCounts, *, greedy_only: bool, top: int):
+    """The sampler of a step with adjusted or logprob-reporting requests: -> (tokens int32[R], each token's log
+    probability [R], the `top` most likely tokens int32[R, top] and their log probabilities [R, top], counts with
+    the counted rows' tokens added). `greedy_only`: every row is greedy (no sort of the vocabulary)."""
+    adjusted = adjust_logits(logits, knobs.slot_ids, knobs.step, adjust, counts)
+    if greedy_only:
+        tokens = greedy(adjusted)
+    else:
+        tokens = sample(adjusted, knobs.temperature, knobs.top_k, knobs.top_p, knobs.seed, knobs.step)
+    scaled = adjusted / jnp.where(knobs.temperature > 0, knobs.temperature, 1.0)[:, None]
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, top)
+    output = counts.output.at[knobs.slot_ids, tokens].add(adjust.counted.astype(jnp.int32))
+    return tokens, chosen, top_ids.astype(jnp.int32), top_logprobs, dataclasses.replace(counts, output=output)

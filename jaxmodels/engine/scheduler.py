@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxmodels.engine.cache import FreeList, PoolSizes
 from jaxmodels.engine.prefix_cache import PrefixCache
-from jaxmodels.engine.request import Request, RequestStatus
+from jaxmodels.engine.request import BIAS_ENTRIES, Request, RequestStatus
 from jaxmodels.step_context import StepKind
 
 
@@ -69,11 +69,30 @@ class SlotTables:
         self.top_k = np.zeros(num_slots, np.int32)
         self.seed = np.zeros(num_slots, np.uint32)
         self.prompt_len = np.zeros(num_slots, np.int32)
+        # What the adjusting sampler reads (engine.sampler.adjust_logits): penalties, min_tokens, and a row of
+        # (token, bias) entries, those of min_tokens' stop tokens flagged.
+        self.adjusted = np.zeros(num_slots, bool)
+        self.penalized = np.zeros(num_slots, bool)
+        self.presence = np.zeros(num_slots, np.float32)
+        self.frequency = np.zeros(num_slots, np.float32)
+        self.repetition = np.ones(num_slots, np.float32)
+        self.min_tokens = np.zeros(num_slots, np.int32)
+        self.bias_ids = np.zeros((num_slots, BIAS_ENTRIES), np.int32)
+        self.bias = np.zeros((num_slots, BIAS_ENTRIES), np.float32)
+        self.bias_stops = np.zeros((num_slots, BIAS_ENTRIES), bool)
 
     def admit(self, request: Request) -> None:
         slot, p = request.slot, request.params
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, max(p.top_k, 0)
         self.seed[slot], self.prompt_len[slot] = request.seed, len(request.prompt)
+        self.adjusted[slot], self.penalized[slot] = p.adjusted, p.penalized
+        if p.adjusted:
+            self.presence[slot], self.frequency[slot] = p.presence_penalty, p.frequency_penalty
+            self.repetition[slot], self.min_tokens[slot] = p.repetition_penalty, p.min_tokens
+            entries = [(token, bias, False) for token, bias in (p.logit_bias or {}).items()]
+            entries += [(token, -np.inf, True) for token in request.stop_tokens] if p.min_tokens else []
+            for i, (token, bias, stop) in enumerate(entries):
+                self.bias_ids[slot, i], self.bias[slot, i], self.bias_stops[slot, i] = token, bias, stop
 
     def add_pages(self, request: Request, pages: list[int]) -> None:
         start = len(request.pages)
@@ -84,6 +103,11 @@ class SlotTables:
         self.page_table[slot] = 0
         self.temperature[slot], self.top_p[slot], self.top_k[slot], self.seed[slot] = 0.0, 1.0, 0, 0
         self.prompt_len[slot] = 0
+        if self.adjusted[slot]:
+            self.adjusted[slot] = self.penalized[slot] = False
+            self.presence[slot] = self.frequency[slot] = self.min_tokens[slot] = 0
+            self.repetition[slot] = 1
+            self.bias_ids[slot], self.bias[slot], self.bias_stops[slot] = 0, 0, False
 
 
 class Scheduler:
@@ -173,8 +197,9 @@ class Scheduler:
 
     def prefix_match(self, request: Request):
         """The longest cached prefix `request` can resume after; at least its last token is computed (its logits
-        give the next one)."""
-        return self.cache.match(request.token_ids, len(request.token_ids) - 1)
+        give the next one). Nothing for a penalized request: the device counts its tokens as its chunks pass."""
+        limit = 0 if request.params.penalized else len(request.token_ids) - 1
+        return self.cache.match(request.token_ids, limit)
 
     def _free_slot_count(self) -> int:
         return len(self.free_slots) + len(self.keeping)
