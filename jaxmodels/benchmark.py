@@ -154,17 +154,24 @@ def run_engine(engine, arrivals, on_arrival=None, on_token=None, progress=None) 
     return log
 
 
-def decode_phase(llm, costs, batch: int, prompt_len: int, steps: int, vocab: int, rng) -> dict:
+# The decode phase's request kinds (`--sampling`), all greedy: plain, with logprobs, with every penalty. The
+# adjusting sampler serves the last two (engine.sampler.sample_adjusted).
+SAMPLING_VARIANTS = {"plain": {}, "logprobs": dict(logprobs=5),
+                     "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)}
+
+
+def decode_phase(llm, costs, batch: int, prompt_len: int, steps: int, vocab: int, rng, sampling: str = "plain"
+                 ) -> dict:
     from jaxmodels import SamplingParams
 
     prompts = rng.integers(3, vocab, size=(batch, prompt_len)).tolist()
-    params = SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True, **SAMPLING_VARIANTS[sampling])
     log = run_engine(llm.engine, [(0.0, p, params) for p in prompts])
     steady = log.steady_decode(batch)
     step_s = float(np.median([log.wall[i] for i in steady]))
     host_s = float(np.median([log.host[i] for i in steady]))
     floor = decode_floor_s(costs, batch, prompt_len + steps / 2)
-    return dict(batch=batch, step_ms=step_s * 1e3, tok_s=batch / step_s, host_ms=host_s * 1e3,
+    return dict(batch=batch, sampling=sampling, step_ms=step_s * 1e3, tok_s=batch / step_s, host_ms=host_s * 1e3,
                 host_share=host_s / step_s, floor_ms=floor * 1e3, of_floor=floor / step_s)
 
 
@@ -314,6 +321,10 @@ def parse_args(argv, prog):
     parser.add_argument("--batches", default="1,32,128,256", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--sampling", default="plain", type=lambda s: s.split(","),
+                        help=f"the decode phase's requests, comma-separated, each at every batch size: "
+                        f"{', '.join(SAMPLING_VARIANTS)} (greedy, logprobs=5, presence/frequency 0.5 and repetition "
+                        "1.1)")
     parser.add_argument("--prefill-len", type=int, default=4096)
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per extend step")
     parser.add_argument("--serve", type=int, default=256, help="requests in the serving run")
@@ -374,6 +385,8 @@ def main(argv=None, prog: str | None = None) -> None:
         return multiturn(argv, prog)
     args = parse_args(argv, prog)
     phases = set(args.phases.split(","))
+    if set(args.sampling) - set(SAMPLING_VARIANTS):
+        raise SystemExit(f"--sampling takes {', '.join(SAMPLING_VARIANTS)}; got {','.join(args.sampling)}")
     with open(args.config) as f:
         raw = cut_layers(json.load(f), args.layers)
     if args.fp8_block:
@@ -411,8 +424,8 @@ def main(argv=None, prog: str | None = None) -> None:
           f"{results['ready_s']:.1f} s, every bucket compiled in {results['compile_s']:.1f} s")
 
     if "decode" in phases:
-        results["decode"] = [decode_phase(llm, costs, b, args.prompt_len, args.decode_steps, vocab, rng)
-                             for b in args.batches]
+        results["decode"] = [decode_phase(llm, costs, b, args.prompt_len, args.decode_steps, vocab, rng, sampling)
+                             for b in args.batches for sampling in args.sampling]
     if "prefill" in phases:
         results["prefill"] = prefill_phase(llm, costs, args.prefill_len, vocab, rng)
     if "serve" in phases:
@@ -445,7 +458,8 @@ def report(results: dict) -> None:
             theirs_row = their_decode.get(row["batch"], {})
             row["transformers_tok_s"] = theirs_row.get("tok_s", theirs_row.get("error", "-"))
         print("\n### decode (steady steps, all rows real)")
-        print(table(results["decode"], [("B", "batch", "d"), ("ms / step", "step_ms", ".2f"),
+        print(table(results["decode"], [("B", "batch", "d"), ("sampling", "sampling", ""),
+                                        ("ms / step", "step_ms", ".2f"),
                                         ("tok/s", "tok_s", ",.0f"), ("host ms / step", "host_ms", ".2f"),
                                         ("host share", "host_share", ".1%"), ("floor ms", "floor_ms", ".2f"),
                                         ("% of floor", "of_floor", ".0%"),
@@ -474,7 +488,7 @@ def report(results: dict) -> None:
 def headline(results: dict) -> str:
     parts = []
     if "decode" in results:
-        best = max(results["decode"], key=lambda r: r["batch"])
+        best = max(results["decode"], key=lambda r: (r["batch"], r["sampling"] == "plain"))
         parts.append(f"decode B={best['batch']} {best['tok_s']:,.0f} tok/s ({best['step_ms']:.2f} ms/step, host "
                      f"{best['host_share']:.0%})")
     if "prefill" in results:

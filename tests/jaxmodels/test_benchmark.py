@@ -32,10 +32,11 @@ def test_benchmark_reports_every_phase(tmp_path, capsys):
     main(["bench", "--config", str(config), "--layers", "4", "--batches", "1,4", "--prompt-len", "12",
           "--decode-steps", "6", "--prefill-len", "40", "--prefill-chunk", "32", "--serve", "4", "--serve-in", "10",
           "--serve-out", "5", "--arrival-rate", "50", "--dtype", "float32", "--compare-transformers",
-          "--torch-device", "cpu", "--no-progress", "--json", str(results)])
+          "--torch-device", "cpu", "--no-progress", "--json", str(results), "--sampling", "plain,penalties"])
     out = capsys.readouterr().out
     data = json.loads(results.read_text())
-    assert [row["batch"] for row in data["decode"]] == [1, 4]
+    assert [(row["batch"], row["sampling"]) for row in data["decode"]] == [
+        (1, "plain"), (1, "penalties"), (4, "plain"), (4, "penalties")]
     assert all(row["step_ms"] > 0 and 0 < row["host_share"] <= 1 for row in data["decode"])
     assert data["prefill"]["tokens"] == 40
     assert [row["rate"] for row in data["serve"]] == [0.0, 50.0]
