@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 
-from jaxmodels.serve.security import DEFAULT_MAX_REQUEST_BYTES, faces_network  # the standard library only
+from jaxmodels.serve.reasoning import REASONING_PARSERS  # these three: the standard library only
+from jaxmodels.serve.security import DEFAULT_MAX_REQUEST_BYTES, faces_network
+from jaxmodels.serve.tool_calls import TOOL_CALL_PARSERS
 
 SPECULATIVE_HELP = "draft this many tokens per step with the checkpoint's MTP layers (0: off)"
 QUANTIZATION_HELP = "an FP8 checkpoint runs in FP8 unless 'dequantize' converts its weights to --dtype on load"
@@ -23,6 +25,10 @@ HOST_HELP = ("the address to listen on (default: 127.0.0.1, this machine only; 0
              "network: set an API key)")
 MAX_REQUEST_BYTES_HELP = (f"answer 413 to a request body over this many bytes, unread (default: "
                           f"{DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB, a million-token prompt as JSON)")
+REASONING_PARSER_HELP = ("split chat output into reasoning_content and content with this format's parser; auto "
+                         "(default): the checkpoint's own (from its model_type and chat template), none: no parsing")
+TOOL_CALL_PARSER_HELP = ("read tool calls from chat output (requests with tools) with this format's parser; auto "
+                         "(default): the checkpoint's own, none: no parsing (tool calls stay content)")
 CACHE_HELP = ("keep the compiled step programs in this directory and load them on the next start with the same "
               "model and limits; 'off' compiles without (default: $JAXMODELS_COMPILATION_CACHE_DIR, else JAX's own "
               "cache directory if set, else ~/.cache/jaxmodels/xla)")
@@ -76,7 +82,8 @@ def serve(args) -> None:
     # The server answers at once (/health: 503 "loading") and serves once the model is loaded.
     app = load_app(model_dir, model_name=args.served_model_name or args.model, on_load_failure=failed,
                    max_queued_requests=args.max_queued_requests, api_key=api_key,
-                   max_request_bytes=args.max_request_bytes, dtype=args.dtype,
+                   max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
+                   tool_call_parser=args.tool_call_parser, dtype=args.dtype,
                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dp=args.dp, tp=args.tp,
                    max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup,
                    num_speculative_tokens=args.num_speculative_tokens,
@@ -148,6 +155,10 @@ def main(argv=None) -> None:
                      help="requests held beyond the running batch; past that, new ones get 503")
     srv.add_argument("--api-key", default=None, metavar="KEY", help=API_KEY_HELP)
     srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help=MAX_REQUEST_BYTES_HELP)
+    srv.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *sorted(REASONING_PARSERS)],
+                     help=REASONING_PARSER_HELP)
+    srv.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *sorted(TOOL_CALL_PARSERS)],
+                     help=TOOL_CALL_PARSER_HELP)
     srv.add_argument("--mamba-ssm-cache-dtype", choices=["float32", "bfloat16"], default=None, help=SSM_STATE_HELP)
     srv.add_argument("--compilation-cache", default=None, metavar="DIR", help=CACHE_HELP)
     srv.add_argument("--no-prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)

@@ -3,12 +3,16 @@ Prometheus metrics.
 
 Requests are validated on the event loop (long texts tokenized on a thread beside it), then handed to the engine
 thread (`EngineWorker`); their tokens come back as text deltas (`Generation`), streamed as server-sent events or
-collected into one response. Every failure is answered with OpenAI's error JSON, and the server keeps serving.
+collected into one response. Chat output is read by the checkpoint's reasoning and tool-call parsers (chosen once the
+model is loaded, from its model_type and chat template, or named by the command line) into `reasoning_content`,
+`content` and `tool_calls`. Every failure is answered with OpenAI's error JSON, and the server keeps serving.
 Before a request reaches the routes, `security.RequestGuard` checks its API key and the size of its body.
 """
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -19,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from jaxmodels.serve.chat_template import ChatTemplate, ChatTemplateError
-from jaxmodels.serve.generation import Generation, Rejection
+from jaxmodels.serve.generation import AUTO, Generation, OutputParsers, Rejection
 from jaxmodels.serve.limits import max_prompt_chars
 from jaxmodels.serve.metrics import ServerStats, prometheus_text
 from jaxmodels.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -41,14 +45,25 @@ class _ClientGone(Exception):
     """The client closed the connection before its (non-streamed) response was ready."""
 
 
-class _Server:
-    """What the routes share: the engine thread, the tokenizer and template, the limits and the counters. Until the
-    model is attached (`attach`, once loaded) the routes that need it answer 503 with a "loading" reason."""
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    text: str  # as the template rendered it: its end tells the reasoning parser where the output starts
+    tokens: list[int]
 
-    def __init__(self, *, model_name: str, chat_template: ChatTemplate | None, max_queued_requests: int):
+
+class _Server:
+    """What the routes share: the engine thread, the tokenizer and template, the output parsers, the limits and the
+    counters. Until the model is attached (`attach`, once loaded) the routes that need it answer 503 with a
+    "loading" reason."""
+
+    def __init__(self, *, model_name: str, chat_template: ChatTemplate | None, max_queued_requests: int,
+                 reasoning_parser: str = AUTO, tool_call_parser: str = AUTO):
+        OutputParsers.check_names(reasoning_parser, tool_call_parser)  # a bad name fails before the model loads
         self.model_name = model_name
         self.chat_template = chat_template
         self.max_queued_requests = max_queued_requests
+        self.parser_names = dict(reasoning=reasoning_parser, tool_calls=tool_call_parser)
+        self.parsers = OutputParsers()  # chosen once the model is known (`attach`)
         self.stats = ServerStats()
         self.started = int(time.time())
         self.loading_since = time.monotonic()
@@ -66,6 +81,10 @@ class _Server:
         self.tokenizer = llm.tokenizer
         self.max_seq_len = llm.engine.max_seq_len
         self.max_prompt_chars = prompt_chars
+        template = self.chat_template.source if self.chat_template is not None else None
+        self.parsers = OutputParsers.choose(getattr(llm.engine.config, "model_type", None), template,
+                                            **self.parser_names)
+        log.info("chat output: %s", self.parsers.describe())
         # The engine holds max_batch_size requests at once; the server queues at most max_queued_requests more.
         self.capacity = llm.metrics()["slots_total"] + self.max_queued_requests
         self.worker = EngineWorker(llm.engine, asyncio.get_running_loop())
@@ -115,9 +134,9 @@ class _Server:
         encodings = await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
 
-    async def chat_prompt(self, body) -> list[int]:
-        """The token ids of a chat request's `messages`, rendered through the chat template (APIError 400 without
-        one, or when the template refuses them)."""
+    async def chat_prompt(self, body) -> ChatPrompt:
+        """A chat request's `messages` (and `tools`) rendered through the chat template, and their token ids
+        (APIError 400 without a template, or when the template refuses them)."""
         if self.chat_template is None or self.tokenizer is None:
             raise APIError(400, "this model has no chat template (neither chat_template in tokenizer_config.json "
                                 "nor chat_template.jinja, or no tokenizer.json): use /v1/completions",
@@ -125,12 +144,29 @@ class _Server:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
-                                             **(body.chat_template_kwargs or {}))
+                                             tools=body.tool_definitions, **(body.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from e
         self.check_prompt_length(text, "messages")
         (tokens,) = await self.tokenize([text], add_special_tokens=False)  # the template wrote them
-        return tokens
+        return ChatPrompt(text, tokens)
+
+    def check_tool_calls_readable(self, body) -> None:
+        """APIError 400 for a request whose output should be read for tool calls when no parser knows how."""
+        if body.reads_tool_calls and self.parsers.tool_calls is None:
+            raise APIError(400, "this server reads no tool calls from this model's output (no known tool-call "
+                                "format for its checkpoint; start the server with --tool-call-parser NAME): send "
+                                "tool_choice \"none\" to only show the tools to the model", param="tool_choice")
+
+    def chat_output(self, body, prompt: ChatPrompt):
+        """What makes each choice's ChatOutput (its parsers, fresh per choice)."""
+        return functools.partial(self.parsers.chat_output, prompt.text, tools=body.tool_definitions,
+                                 read_tool_calls=body.reads_tool_calls, parallel_tool_calls=body.parallel_tool_calls)
+
+    def chat_responses(self, body) -> ChatResponses:
+        parsed = self.parsers.reasoning is not None or (body.reads_tool_calls and self.parsers.tool_calls is not None)
+        return ChatResponses(self.model_name, return_token_ids=body.return_token_ids, parsed=parsed,
+                             reasoning=self.parsers.reasoning is not None)
 
     def check_stops(self, stops: list[str]) -> list[str]:
         if stops and self.tokenizer is None:
@@ -142,8 +178,9 @@ class _Server:
         room = max(self.max_seq_len - len(prompt), 1)
         return room if max_tokens is None else max_tokens
 
-    async def start(self, work, stops: list[str]) -> Generation:
-        """Queue the work in the engine (APIError 400 or 503 when it cannot be)."""
+    async def start(self, work, stops: list[str], chat_output=None) -> Generation:
+        """Queue the work in the engine (APIError 400 or 503 when it cannot be); `chat_output` as Generation
+        takes it."""
         self.require_engine()
         if len(work) > self.capacity:
             raise APIError(400, f"{len(work)} choices exceed the {self.capacity} requests this server holds at "
@@ -151,7 +188,8 @@ class _Server:
         if self.stats.pending + len(work) > self.capacity:
             raise APIError(503, f"the server is full ({self.stats.pending} requests in flight, at most "
                                 f"{self.capacity}); retry later", code="queue_full")
-        generation = Generation(self.worker, self.stats, work, tokenizer=self.tokenizer, stops=stops)
+        generation = Generation(self.worker, self.stats, work, tokenizer=self.tokenizer, stops=stops,
+                                chat_output=chat_output)
         await generation.submit()
         return generation
 
@@ -174,16 +212,20 @@ def prompt_char_bound(llm) -> int | None:
 
 def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None = None,
               max_queued_requests: int = 1024, load=None, on_load_failure=None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, reasoning_parser: str = AUTO,
+              tool_call_parser: str = AUTO) -> FastAPI:
     """The app serving `llm` (whose engine it takes over: from its start on, only its engine thread may touch the
     engine), or the LLM that `load()` returns: the app then answers at once, /health and the model routes with 503
     and a "loading" reason, and serves once `load` has returned (it runs on a thread of its own when the app
     starts; if it raises, `on_load_failure(message)` is called). `model_name` is the id clients send as `model`.
     With `api_key`, every route but /health and /metrics answers 401 without `Authorization: Bearer <api_key>`;
-    a body over `max_request_bytes` is answered 413 unread (see security.py)."""
+    a body over `max_request_bytes` is answered 413 unread (see security.py). `reasoning_parser` and
+    `tool_call_parser` name the parsers of chat output: "auto" (the checkpoint's formats, if known), "none", or a
+    format (generation.OutputParsers); an unknown name is a ValueError listing the valid ones."""
     if (llm is None) == (load is None):
         raise ValueError("give exactly one of llm and load")
-    server = _Server(model_name=model_name, chat_template=chat_template, max_queued_requests=max_queued_requests)
+    server = _Server(model_name=model_name, chat_template=chat_template, max_queued_requests=max_queued_requests,
+                     reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
 
     def load_in_background(loop) -> None:
         try:
@@ -292,15 +334,18 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
         server.require_engine()
+        server.check_tool_calls_readable(body)
         prompt = await server.chat_prompt(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        work = [(prompt, params) for params in body.sampling_params(server.max_new_tokens(max_tokens, prompt))]
-        generation = await server.start(work, server.check_stops(body.stop_strings))
-        responses = ChatResponses(server.model_name, return_token_ids=body.return_token_ids)
+        tokens = prompt.tokens
+        work = [(tokens, params) for params in body.sampling_params(server.max_new_tokens(max_tokens, tokens))]
+        generation = await server.start(work, server.check_stops(body.stop_strings),
+                                        chat_output=server.chat_output(body, prompt))
+        responses = server.chat_responses(body)
         if body.stream:
             return GenerationStream(generation, responses, include_usage_chunk=body.include_usage_chunk)
         choices = await collect(request, generation)
-        return responses.body(choices, prompt, usage(generation.prompt_tokens, generation.completion_tokens))
+        return responses.body(choices, tokens, usage(generation.prompt_tokens, generation.completion_tokens))
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
@@ -311,7 +356,7 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
         server.check_model(body.model)
         server.require_engine()
         if body.messages is not None:
-            tokens = await server.chat_prompt(body)
+            tokens = (await server.chat_prompt(body)).tokens
         else:
             (tokens,) = await server.encode_prompts([body.prompt])
         answer = {"count": len(tokens), "max_model_len": server.max_seq_len, "tokens": tokens}
@@ -361,7 +406,8 @@ class GenerationStream(StreamingResponse):
             async for delta in generation.deltas():
                 final = generation.done and not include_usage_chunk
                 totals = usage(generation.prompt_tokens, generation.completion_tokens) if final else None
-                yield sse(responses.chunk(delta, totals))
+                for chunk in responses.chunks(delta, totals):
+                    yield sse(chunk)
             if include_usage_chunk:
                 yield sse(responses.usage_chunk(usage(generation.prompt_tokens, generation.completion_tokens)))
         except APIError as e:

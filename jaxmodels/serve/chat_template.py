@@ -2,8 +2,9 @@
 
 Same sandboxed environment (trim_blocks, lstrip_blocks, loop controls), the same globals and filters
 (`raise_exception`, `strftime_now`, a `tojson` that does not escape HTML), the tokenizer's named special tokens as
-variables, and messages with None values dropped and reasoning fields aliased. The rendered text is encoded without
-adding special tokens: the template writes them.
+variables, the request's `tools` as the `tools` variable (OpenAI tool definitions, as transformers passes dict
+tools), and messages with None values dropped, reasoning fields aliased and tool-call arguments as mappings. The
+rendered text is encoded without adding special tokens: the template writes them.
 """
 
 import datetime
@@ -14,6 +15,8 @@ import os
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Names a message's reasoning comes under; templates read the first (and gpt-oss ones `thinking`).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Variables the renderer sets itself; extra template variables (chat_template_kwargs) may not replace them.
+RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 class ChatTemplateError(ValueError):
@@ -22,6 +25,7 @@ class ChatTemplateError(ValueError):
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        self.source = source  # read to tell which reasoning and tool-call formats the checkpoint uses
         self.special_tokens = dict(special_tokens or {})
         self._template = _environment().from_string(source)
 
@@ -48,10 +52,16 @@ class ChatTemplate:
         special = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None}
         return cls(source, special)
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **kwargs) -> str:
-        messages = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               **kwargs) -> str:
+        """The prompt text; `tools` are OpenAI tool definitions, `kwargs` extra template variables (e.g.
+        enable_thinking). Raises ChatTemplateError when the template refuses the messages."""
+        reserved = sorted(set(kwargs) & set(RESERVED_VARIABLES))
+        if reserved:
+            raise ValueError(f"template variables set by the server itself: {', '.join(reserved)}")
+        messages = [_template_message(m) for m in messages]
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
+            return self._template.render(messages=messages, tools=tools or None, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **{**self.special_tokens, **kwargs})
         except Exception as e:  # the template is fixed, so whatever fails comes of the messages: the client's error
@@ -61,6 +71,31 @@ class ChatTemplate:
 def _token_text(token) -> str:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with its content."""
     return token["content"] if isinstance(token, dict) else str(token)
+
+
+def _template_message(message: dict) -> dict:
+    """A message as templates read it: None values dropped (transformers' templates test `is defined`), reasoning
+    under each of its names, and tool-call arguments as mappings."""
+    message = _alias_reasoning({k: v for k, v in message.items() if v is not None})
+    if message.get("tool_calls"):
+        message["tool_calls"] = [_call_with_mapping_arguments(call) for call in message["tool_calls"]]
+    return message
+
+
+def _call_with_mapping_arguments(call):
+    """OpenAI sends a call's arguments as a JSON string; templates iterate them as a mapping (`arguments|items`,
+    `arguments.items()`), the form transformers' tool-use examples give them in. A string that is not a JSON object
+    is left as it is: the request's validation refuses those before they get here."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _alias_reasoning(message: dict) -> dict:

@@ -3,6 +3,11 @@
 Each choice's tokens go through an incremental detokenizer and then the stop strings; a stop string ends the choice
 here and aborts its engine request. A generation that ends early (client gone, error) aborts whatever is unfinished,
 so the engine frees those slots and pages at its next step.
+
+A chat choice's text goes on through its `ChatOutput`: the reasoning parser splits off the reasoning, the tool-call
+parser finds calls in the content. Both stream, so a delta carries the parts of the message that its text completes
+(`parts`): `Reasoning`, `ContentDelta`, `ToolCallStart` and `ArgumentsDelta`, in the order the model wrote them. A
+streamed response sends them as they come and a whole one folds them, so both end with the same message.
 """
 
 import dataclasses
@@ -10,8 +15,15 @@ import dataclasses
 from jaxmodels.serve.detokenizer import IncrementalDetokenizer
 from jaxmodels.serve.metrics import ServerStats
 from jaxmodels.serve.protocol import APIError
+from jaxmodels.serve.reasoning import REASONING_PARSERS, ReasoningParser, named_parser, reasoning_parser_for
 from jaxmodels.serve.stop_strings import StopStrings
+from jaxmodels.serve.tool_calls import (TOOL_CALL_PARSERS, ContentDelta, ToolCallParser, ToolCallStart,
+                                        tool_call_parser_for)
 from jaxmodels.serve.worker import EngineStopped, EngineWorker, Rejected, Ticket
+
+
+# Parser names that are not formats: "auto" picks the checkpoint's own, "none" turns parsing off.
+AUTO, NO_PARSER = "auto", "none"
 
 
 class Rejection(APIError):
@@ -24,12 +36,14 @@ class Rejection(APIError):
 
 @dataclasses.dataclass
 class Delta:
-    """What one choice gained: text to send, the tokens behind it, and the finish reason once it is done."""
+    """What one choice gained: text to send, the tokens behind it, and the finish reason once it is done. A chat
+    choice's delta also carries its text as parts of the message (see ChatOutput)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    parts: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -38,15 +52,121 @@ class Choice:
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    parts: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reasoning:
+    """Reasoning text (the model's thinking), apart from the content."""
+
+    text: str
+
+
+class ChatOutput:
+    """One chat choice's text -> parts of its message: Reasoning, then the content as ContentDelta, ToolCallStart and
+    ArgumentsDelta events (tool_calls.py's). Without parsers all text is content, as it was before parsers existed.
+
+    The tool-call parser reads only what the reasoning parser calls content: a call written while thinking is
+    thought, not made. `max_calls` (1 with parallel_tool_calls false) drops the calls past it.
+    """
+
+    def __init__(self, reasoning: ReasoningParser | None = None, tool_calls: ToolCallParser | None = None, *,
+                 max_calls: int | None = None):
+        self.reasoning = reasoning
+        self.tool_calls = tool_calls
+        self.max_calls = max_calls
+        self.made_calls = False
+
+    @property
+    def parses(self) -> bool:
+        """Whether a parser reads the text (which must then keep its special tokens: the tags often are ones)."""
+        return self.reasoning is not None or self.tool_calls is not None
+
+    def feed(self, text: str) -> list:
+        if self.reasoning is None:
+            return self._content(text)
+        reasoning, content = self.reasoning.feed(text)
+        return self._reasoning(reasoning) + self._content(content)
+
+    def finish(self) -> list:
+        """The text has ended: what the parsers held back (a cut tag, an unterminated call block: plain text)."""
+        parts = []
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.finish()
+            parts = self._reasoning(reasoning) + self._content(content)
+        if self.tool_calls is not None:
+            parts += self._kept(self.tool_calls.finish())
+        return parts
+
+    @staticmethod
+    def _reasoning(text: str) -> list:
+        return [Reasoning(text)] if text else []
+
+    def _content(self, text: str) -> list:
+        if self.tool_calls is None:
+            return [ContentDelta(text)] if text else []
+        return self._kept(self.tool_calls.feed(text))
+
+    def _kept(self, events: list) -> list:
+        kept = [e for e in events if isinstance(e, ContentDelta) or self.max_calls is None or e.index < self.max_calls]
+        self.made_calls = self.made_calls or any(isinstance(e, ToolCallStart) for e in kept)
+        return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputParsers:
+    """The reasoning and tool-call parser classes a server reads chat output with (None: that parser is off),
+    chosen once: the checkpoint's own formats, or the ones named on the command line."""
+
+    reasoning: type[ReasoningParser] | None = None
+    tool_calls: type[ToolCallParser] | None = None
+
+    @staticmethod
+    def check_names(reasoning: str = AUTO, tool_calls: str = AUTO) -> None:
+        """ValueError naming the valid choices for an unknown parser name (before loading anything)."""
+        for kind, registry, name in (("reasoning", REASONING_PARSERS, reasoning),
+                                     ("tool-call", TOOL_CALL_PARSERS, tool_calls)):
+            if name not in (AUTO, NO_PARSER):
+                named_parser(kind, {**registry, AUTO: None, NO_PARSER: None}, name)  # the error lists all names
+
+    @classmethod
+    def choose(cls, model_type: str | None, chat_template: str | None, *, reasoning: str = AUTO,
+               tool_calls: str = AUTO) -> "OutputParsers":
+        """`reasoning` and `tool_calls`: "auto" (from model_type and the template's text), "none", or a name."""
+        cls.check_names(reasoning, tool_calls)
+
+        def pick(name, parser_for):
+            if name == NO_PARSER:
+                return None
+            return parser_for(model_type, chat_template, override=None if name == AUTO else name)
+
+        return cls(pick(reasoning, reasoning_parser_for), pick(tool_calls, tool_call_parser_for))
+
+    def describe(self) -> str:
+        names = [parser.name if parser else "none" for parser in (self.reasoning, self.tool_calls)]
+        return f"reasoning parser: {names[0]}, tool-call parser: {names[1]}"
+
+    def chat_output(self, prompt: str, *, tools: list[dict] | None, read_tool_calls: bool,
+                    parallel_tool_calls: bool | None = None) -> ChatOutput:
+        """A fresh ChatOutput for one choice of a chat request whose rendered prompt is `prompt` (its end says
+        whether the output starts inside a think block)."""
+        reasoning = self.reasoning(prompt) if self.reasoning is not None else None
+        tool_calls = self.tool_calls(tools=tools) if read_tool_calls and self.tool_calls is not None else None
+        return ChatOutput(reasoning, tool_calls, max_calls=1 if parallel_tool_calls is False else None)
 
 
 class _ChoiceText:
-    """Tokens -> text for one choice: detokenized incrementally, then cut at the first stop string. Tokens whose
-    text is held back (an unfinished character, a possible stop string) wait to go out with it."""
+    """Tokens -> text for one choice: detokenized incrementally, then cut at the first stop string, then (chat)
+    parsed into parts. Tokens whose text is held back (an unfinished character, a possible stop string, a possible
+    tag) wait to go out with it."""
 
-    def __init__(self, index: int, tokenizer, stops: list[str]):
+    def __init__(self, index: int, tokenizer, stops: list[str], chat_output: ChatOutput | None = None):
         self.index = index
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.chat_output = chat_output
+        # Parsed text keeps special tokens; the token that stopped the output is not text then (see `_text`).
+        self.keeps_special_tokens = chat_output is not None and chat_output.parses
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, skip_special_tokens=not self.keeps_special_tokens)
+                            if tokenizer is not None else None)
         self.stops = StopStrings(stops)
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -56,30 +176,54 @@ class _ChoiceText:
         """The delta to send now, or None while everything new is held back."""
         self.num_tokens += len(token_ids)
         self._unsent += token_ids
-        text = ""
-        if self.detokenizer is not None:
-            text = self.stops.add(self.detokenizer.add(token_ids))
-            if finish_reason is not None and not self.stops.matched:
-                text += self.stops.add(self.detokenizer.flush())
+        text = self._text(token_ids, finish_reason)
         if self.stops.matched:
             finish_reason = "stop"
         elif finish_reason is not None:
             text += self.stops.flush()
+        parts = self._parts(text, finish_reason)
+        if self.chat_output is not None and self.chat_output.made_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"  # the model stopped after calling: the client runs the calls next
         self.finish_reason = finish_reason
-        if not text and finish_reason is None and self.detokenizer is not None:
+        held_back = not parts if self.chat_output is not None else not text
+        if held_back and finish_reason is None and self.detokenizer is not None:
             return None
-        delta, self._unsent = Delta(self.index, text, self._unsent, finish_reason), []
+        delta, self._unsent = Delta(self.index, text, self._unsent, finish_reason, parts), []
         return delta
+
+    def _text(self, token_ids: list[int], finish_reason: str | None) -> str:
+        """The new text past the stop strings. With special tokens kept, the end-of-sequence (or stop_token_ids)
+        token that stopped the output is left out: it ends the message, it is not part of it (skipping special
+        tokens drops it otherwise)."""
+        if self.detokenizer is None:
+            return ""
+        if finish_reason == "stop" and self.keeps_special_tokens and token_ids:
+            token_ids = token_ids[:-1]
+        text = self.stops.add(self.detokenizer.add(token_ids))
+        if finish_reason is not None and not self.stops.matched:
+            text += self.stops.add(self.detokenizer.flush())
+        return text
+
+    def _parts(self, text: str, finish_reason: str | None) -> list:
+        if self.chat_output is None:
+            return []
+        parts = self.chat_output.feed(text) if text else []
+        if finish_reason is not None:
+            parts += self.chat_output.finish()
+        return parts
 
 
 class Generation:
-    def __init__(self, worker: EngineWorker, stats: ServerStats, work, *, tokenizer, stops: list[str]):
-        """`work`: (prompt token ids, SamplingParams) per choice."""
+    def __init__(self, worker: EngineWorker, stats: ServerStats, work, *, tokenizer, stops: list[str],
+                 chat_output=None):
+        """`work`: (prompt token ids, SamplingParams) per choice; `chat_output()` makes a choice's ChatOutput (chat
+        completions; None: completions, plain text)."""
         self.worker = worker
         self.stats = stats
         self.ticket = Ticket(work)
         self.prompt_tokens = sum(len(prompt) for prompt, _ in work)
-        self.choices = [_ChoiceText(i, tokenizer, stops) for i in range(len(work))]
+        self.choices = [_ChoiceText(i, tokenizer, stops, chat_output() if chat_output is not None else None)
+                        for i in range(len(work))]
         self._unfinished = len(work)
 
     @property
@@ -150,6 +294,7 @@ class Generation:
             choice = choices[delta.index]
             choice.text += delta.text
             choice.token_ids += delta.token_ids
+            choice.parts += delta.parts
             choice.finish_reason = delta.finish_reason
         return choices
 

@@ -2,14 +2,21 @@
 
 Unknown fields are refused (a field we silently ignored would change what the client asked for without telling
 it); OpenAI fields we do not implement are accepted only at their neutral value. `top_k`, `stop_token_ids`,
-`ignore_eos` and `return_token_ids` are vLLM's extensions, under vLLM's names.
+`ignore_eos`, `return_token_ids` and `chat_template_kwargs` are vLLM's extensions, under vLLM's names.
+
+Tools are OpenAI function tools. `tool_choice` "auto" (the default with tools) and "none" are served; "required" and
+a named function need decoding constrained to a call, which the engine cannot do yet, so they are refused rather
+than answered with a call the model may not make.
 """
 
-from typing import Any
+import json
+import re
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jaxmodels.engine.request import SamplingParams
+from jaxmodels.serve.chat_template import RESERVED_VARIABLES
 
 
 class APIError(Exception):
@@ -50,7 +57,7 @@ class StreamOptions(BaseModel):
 NEUTRAL_VALUES = {
     "echo": (False, None), "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -123,10 +130,101 @@ class CompletionRequest(_Sampled):
         raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of token ids")
 
 
+# OpenAI's rule for function names; it also keeps names readable back out of every tool-call format served here.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not FUNCTION_NAME.fullmatch(name):
+            raise ValueError(f"function name {name!r} must be 1 to 64 letters, digits, underscores or dashes")
+        return name
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, schema):
+        # The tool-call parsers read each parameter's declared type from `properties`.
+        if schema is not None and not isinstance(schema.get("properties", {}), dict):
+            raise ValueError("parameters.properties must be an object mapping parameter names to schemas")
+        return schema
+
+    @field_validator("strict")
+    @classmethod
+    def _not_strict(cls, strict):
+        # Strict mode promises arguments that match the schema, which only constrained decoding can keep.
+        if strict:
+            raise ValueError("strict=true is not supported yet (it needs grammar-constrained decoding)")
+        return strict
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class MessageFunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON object as a string; a mapping is taken too
+
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, arguments):
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError as e:
+                raise ValueError(f"arguments are not JSON: {e}") from e
+            if not isinstance(parsed, dict):
+                raise ValueError("arguments must be a JSON object")
+        return arguments
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # templates read more than role and content (name, tool_calls, ...)
+    model_config = ConfigDict(extra="allow")  # templates read more than role and content (name, ...)
     role: str
-    content: str | list[dict] | None = None
+    content: str | list[dict] | None = None  # None: an assistant message that only calls tools
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None  # a tool message answers the call with this id
+
+    @model_validator(mode="after")
+    def _tool_messages_name_their_call(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message with role 'tool' needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+        return self
+
+
+def _check_template_kwargs(kwargs: dict | None) -> dict | None:
+    reserved = sorted(set(kwargs or {}) & set(RESERVED_VARIABLES))
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)} cannot be set here: the server sets them from the request")
+    return kwargs
+
+
+def _check_tool_names(tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+    names = [tool.function.name for tool in tools or []]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"function names must differ: {', '.join(repeated)} given more than once")
+    return tools
 
 
 class ChatCompletionRequest(_Sampled):
@@ -136,10 +234,43 @@ class ChatCompletionRequest(_Sampled):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
     top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Any = None  # after tools: its validator reads them
     response_format: Any = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools; accepted because clients send it
+    parallel_tool_calls: bool | None = None  # False: only the first call of the output is returned
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
+    _tool_names = field_validator("tools")(_check_tool_names)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info):
+        if "tools" not in info.data:
+            return choice  # the tools are invalid, which their own error says
+        if choice not in (None, "none", "auto", "required") and not _names_a_function(choice):
+            raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+        if choice in (None, "none"):
+            return choice
+        names = [tool.function.name for tool in info.data["tools"] or []]
+        if not names:
+            raise ValueError(f"{json.dumps(choice)} needs tools: none were given")
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise ValueError(f"names the function {choice['function']['name']!r}, which is not among the tools "
+                             f"({', '.join(names)})")
+        if choice != "auto":
+            raise ValueError(f"{json.dumps(choice)} is not supported yet: forcing a call needs grammar-constrained "
+                             f"decoding; use \"auto\" (the default) or \"none\"")
+        return choice
+
+    @property
+    def tool_definitions(self) -> list[dict] | None:
+        """The tools as the chat template and the tool-call parser read them (OpenAI's dicts), or None."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    @property
+    def reads_tool_calls(self) -> bool:
+        """Whether the output is parsed into tool calls: with tools, unless tool_choice is "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class TokenizeRequest(BaseModel):
@@ -152,7 +283,15 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered into the prompt, as chat completions render them
     return_token_strs: bool = False
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
+    _tool_names = field_validator("tools")(_check_tool_names)
+
+    @property
+    def tool_definitions(self) -> list[dict] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -165,6 +304,12 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]
+
+
+def _names_a_function(choice) -> bool:
+    return (isinstance(choice, dict) and set(choice) == {"type", "function"} and choice["type"] == "function"
+            and isinstance(choice["function"], dict) and set(choice["function"]) == {"name"}
+            and isinstance(choice["function"]["name"], str))
 
 
 def _is_token_id(value) -> bool:

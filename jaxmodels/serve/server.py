@@ -15,14 +15,16 @@ from jaxmodels.serve.security import DEFAULT_MAX_REQUEST_BYTES
 
 
 def load_app(model_dir: str, *, model_name: str, max_queued_requests: int, on_load_failure=None,
-             api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **llm_options):
+             api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+             reasoning_parser: str = "auto", tool_call_parser: str = "auto", **llm_options):
     """The app over an LLM of the checkpoint, loaded (weights, then the first buckets compiled) on a thread once
     the app starts: it answers /health with 503 "loading" meanwhile (see build_app)."""
     from jaxmodels.llm import LLM
 
     return build_app(load=lambda: LLM(model_dir, **llm_options), model_name=model_name,
                      chat_template=ChatTemplate.from_directory(model_dir), max_queued_requests=max_queued_requests,
-                     on_load_failure=on_load_failure, api_key=api_key, max_request_bytes=max_request_bytes)
+                     on_load_failure=on_load_failure, api_key=api_key, max_request_bytes=max_request_bytes,
+                     reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
 
 
 def stop_process(message: str) -> None:
