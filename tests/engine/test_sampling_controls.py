@@ -223,3 +223,12 @@ def test_penalized_requests_under_preemption_recount_their_tokens(served):
 def test_bad_values_are_rejected_naming_the_field(served, params, message):
     with pytest.raises(InvalidRequest, match=message):
         served[1].engine.add_request([5, 6], params)
+
+
+@pytest.mark.parametrize("vocab, k", [(50, 20), (1000, 20), (131, 5), (4096, 1)])
+def test_top_k_by_blocks_equals_lax_top_k(vocab, k):
+    x = jnp.asarray(np.random.default_rng(vocab).normal(size=(6, vocab)).astype(np.float32))
+    values, ids = sampler.top_k_by_blocks(x, k, block=16)
+    want_values, want_ids = jax.lax.top_k(x, k)
+    assert np.asarray(ids).tolist() == np.asarray(want_ids).tolist()
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
