@@ -21,7 +21,7 @@ import jax
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
 from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, reports_memory, total_bytes
-from jaxmodels.engine.request import BIAS_ENTRIES, Request, SamplingParams, prompt_problems
+from jaxmodels.engine.request import BIAS_ENTRIES, Request, RequestStatus, SamplingParams, prompt_problems
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import GroupedScheduler
 from jaxmodels.engine.step import ModelStep
@@ -222,6 +222,7 @@ class Engine:
         self._live: dict[int, Request] = {}  # unfinished requests by id
         self._aborts: set[int] = set()
         self._inflight: list[_InFlight] = []
+        self._held: list[Request] = []  # requests waiting for the logit-adjusting sampler's compilation
         self.last_launch: tuple[StepKind, int] | None = None  # (kind, rows) of the last step the last step() sent
         self.times = StepTimes()
 
@@ -265,8 +266,35 @@ class Engine:
         request = Request(self._next_id, prompt, params, seed, eos_ids=self.eos_ids)
         self._next_id += 1
         self._live[request.request_id] = request
-        self.scheduler.add(request)
+        samplers = self.runner.programs.samplers_for(params)
+        if samplers is not None and not self.runner.programs.on_demand_ready[samplers]:
+            self.warmup.compile_on_demand(samplers)
+            self._held.append(request)  # until its sampler is compiled (see _release_held)
+        else:
+            self.scheduler.add(request)
         return request
+
+    def _release_held(self) -> list[Request]:
+        """Queue the requests held for a sampler compiled on demand (engine.programs.ON_DEMAND) once it is ready,
+        waiting for it when there is nothing else to run; if compiling it failed, they end with "abort". Returns
+        those that ended."""
+        if not self._held:
+            return []
+        programs, warmup = self.runner.programs, self.warmup
+        if not self.scheduler.has_work() and not self._inflight:
+            warmup.wait_on_demand(programs.samplers_for(self._held[0].params))
+        still, ended = [], []
+        for request in self._held:
+            samplers = programs.samplers_for(request.params)
+            if samplers in warmup.on_demand_errors:
+                request.finish_reason, request.status = "abort", RequestStatus.FINISHED
+                ended.append(request)
+            elif programs.on_demand_ready[samplers]:
+                self.scheduler.add(request)
+            else:
+                still.append(request)
+        self._held = still
+        return ended
 
     def _adjustment_problems(self, params: SamplingParams) -> list[str]:
         """What this engine cannot do of `params`' logit adjustments and logprobs."""
@@ -290,7 +318,7 @@ class Engine:
         self._aborts.add(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._inflight) or bool(self._aborts)
+        return self.scheduler.has_work() or bool(self._inflight) or bool(self._aborts) or bool(self._held)
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that received a token (or finished) in it.
@@ -299,6 +327,7 @@ class Engine:
         """
         start = time.perf_counter()
         updated = self._apply_aborts()
+        updated += self._release_held()
         if self.scheduler.blocked and self._inflight:
             updated += self._collect()  # a group waits to preempt, which needs every token on the host
         steps = self.scheduler.schedule(can_preempt=not self._inflight)
@@ -329,7 +358,11 @@ class Engine:
         aborted = []
         for request_id in self._aborts:
             request = self._live.get(request_id)
-            if request is not None and self.scheduler.abort(request):
+            if request in self._held:
+                self._held.remove(request)
+                request.finish_reason, request.status = "abort", RequestStatus.FINISHED
+                aborted.append(request)
+            elif request is not None and self.scheduler.abort(request):
                 aborted.append(request)
         self._aborts.clear()
         return aborted
@@ -389,7 +422,8 @@ class Engine:
         groups = len(self.scheduler.groups)
         pages, slots = groups * (self.sizes.num_pages - 1), groups * (self.sizes.num_slots - 1)
         return dict(
-            running=counts["running"], waiting=counts["waiting"], steps=t.steps, extend_steps=t.extend_steps,
+            running=counts["running"], waiting=counts["waiting"] + len(self._held), steps=t.steps,
+            extend_steps=t.extend_steps,
             decode_steps=t.decode_steps, mean_decode_batch=t.decode_rows / max(t.decode_steps, 1),
             generated_tokens=t.generated_tokens, host_s_per_step=host / steps, wall_s_per_step=t.wall_s / steps,
             host_fraction=host / t.wall_s if t.wall_s else 0.0, preemptions=self.scheduler.num_preemptions,

@@ -19,6 +19,13 @@ SAMPLERS = ("greedy", "sample")
 # The samplers of steps with requests that adjust their logits or ask for logprobs (engine.sampler.sample_adjusted).
 ADJUSTED_GREEDY = "adjusted_greedy"
 ADJUSTED = (ADJUSTED_GREEDY, "adjusted_sample")
+# Samplers compiled when the first request that needs them comes (engine.warmup.Warmup.compile_on_demand), not
+# with the buckets, each kind for every bucket at once as one pseudo-bucket: the sampling sampler (temperature > 0,
+# a sort of the vocabulary) and the adjusting ones. Many engines never run them, and on a CPU they are more than
+# half of a bucket's compile time. A speculative engine's verify programs sample inside; its samplers are bucket
+# programs.
+SAMPLING, ADJUSTING = "sampling", "adjusting"
+ON_DEMAND = (SAMPLING, ADJUSTING)
 # Programs of a speculative engine besides the samplers (see engine.runner).
 EXTEND_HIDDEN, DRAFT = "extend_hidden", "draft"
 
@@ -51,6 +58,8 @@ class StepPrograms:
         # The buckets steps may use: those whose programs are all compiled (engine.warmup compiles them, the
         # largest first; the step path never compiles, unless lazily).
         self._ready = {StepKind.EXTEND: [], StepKind.DECODE: []}
+        # ON_DEMAND kinds compiled (a speculative engine's sampling one is among its buckets).
+        self.on_demand_ready = {SAMPLING: bool(speculative), ADJUSTING: False}
         self._lazy = False
 
     def sizes_of(self, kind: StepKind) -> list[int]:
@@ -60,19 +69,29 @@ class StepPrograms:
 
     def bucket_jobs(self, kind: StepKind, n: int) -> list[tuple]:
         """The executables a step of `kind` (EXTEND, or DECODE for decode and verify steps) in bucket n calls."""
+        if kind == SAMPLING:
+            return [("sampler", size, "sample") for size in [self.max_seqs, *self.decode_sizes]]
+        if kind == ADJUSTING:
+            return ([("sampler", self.max_seqs, "extend", mode) for mode in ADJUSTED]
+                    + [("sampler", size, mode) for size in self.decode_sizes for mode in ADJUSTED])
         if kind is StepKind.EXTEND:
             if self.speculative:
                 return [(EXTEND_HIDDEN, n), (DRAFT, n)] + [("sampler", self.max_seqs, mode) for mode in SAMPLERS]
-            return ([(StepKind.EXTEND, n)] + [("sampler", self.max_seqs, mode) for mode in SAMPLERS]
-                    + [("sampler", self.max_seqs, "extend", mode) for mode in ADJUSTED])
+            return [(StepKind.EXTEND, n), ("sampler", self.max_seqs, "greedy")]
         if self.speculative:
             return [(StepKind.VERIFY, n, mode) for mode in SAMPLERS]
-        return [(StepKind.DECODE, n)] + [("sampler", n, mode) for mode in SAMPLERS + ADJUSTED]
+        return [(StepKind.DECODE, n), ("sampler", n, "greedy")]
 
     def jobs(self) -> list[tuple]:
-        """Every executable serving may call."""
-        return list(dict.fromkeys(job for kind in (StepKind.EXTEND, StepKind.DECODE) for n in self.sizes_of(kind)
-                                  for job in self.bucket_jobs(kind, n)))
+        """Every executable serving may call (the ON_DEMAND samplers included)."""
+        buckets = [(kind, n) for kind in (StepKind.EXTEND, StepKind.DECODE) for n in self.sizes_of(kind)]
+        return list(dict.fromkeys(job for bucket in buckets + [(kind, 0) for kind in ON_DEMAND]
+                                  for job in self.bucket_jobs(*bucket)))
+
+    @staticmethod
+    def samplers_for(params) -> str | None:
+        """The ON_DEMAND kind a request with SamplingParams `params` needs, or None."""
+        return ADJUSTING if params.adjusted else SAMPLING if params.temperature > 0 else None
 
     def example(self, kind, n):
         """An all-padding (batch, sampling knobs) of bucket n for every group: the exact shapes and dtypes of a real
@@ -132,6 +151,9 @@ class StepPrograms:
     def mark_ready(self, kind: StepKind, n: int) -> None:
         """Let steps of `kind` use bucket n from now on (every program of bucket_jobs(kind, n) is compiled). The
         list is replaced, not changed in place: the scheduling thread may be reading the old one."""
+        if kind in ON_DEMAND:
+            self.on_demand_ready[kind] = True
+            return
         self._ready[kind] = sorted({*self._ready[kind], n})
 
     def ready_buckets(self) -> dict:
@@ -146,6 +168,7 @@ class StepPrograms:
         """Every bucket usable at once, each program compiled on its first call (on the step path)."""
         self._lazy = True
         self._ready = {kind: list(self.sizes_of(kind)) for kind in self._ready}
+        self.on_demand_ready = dict.fromkeys(ON_DEMAND, True)
 
     def executable(self, job):
         if self._lazy and job not in self._compiled:  # warm-up mode "none" only: compiles on the step path

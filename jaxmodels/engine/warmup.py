@@ -31,6 +31,7 @@ import threading
 import time
 import weakref
 
+from jaxmodels.engine.programs import ON_DEMAND, SAMPLING
 from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")
@@ -105,6 +106,8 @@ class Warmup:
         self.timings: list[tuple] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._on_demand: dict[str, threading.Thread] = {}  # compile_on_demand's, by kind
+        self.on_demand_errors: dict[str, str] = {}
         kinds = (StepKind.EXTEND, StepKind.DECODE)
         self._covering = [(kind, programs.sizes_of(kind)[-1]) for kind in kinds]
         self._remaining = _interleaved(*[[(kind, n) for n in compile_order(programs.sizes_of(kind))[1:]]
@@ -116,8 +119,12 @@ class Warmup:
         if self.mode == "none":
             self.programs.compile_lazily()
         else:
+            import jax
+
             both = self.mode == "all"
-            self._compile(self._covering + (self._remaining if both else []), required=True,
+            # Several processes step together and must all hold every program a step may call: no samplers on demand.
+            on_demand = [(kind, 0) for kind in ON_DEMAND] if jax.process_count() > 1 else []
+            self._compile(self._covering + (self._remaining if both else []) + on_demand, required=True,
                           desc="compiling buckets" if both else "compiling the largest buckets",
                           threads=os.cpu_count() or 1)
             if both:
@@ -125,10 +132,33 @@ class Warmup:
         self.ready_s = time.perf_counter() - self.started
         log.info("ready to serve %.1f s after the start; buckets compiled: %s", self.ready_s,
                  {kind.name.lower(): sizes for kind, sizes in self.programs.ready_buckets().items()})
+        if self.mode == "background":
+            self.compile_on_demand(SAMPLING)  # sampled requests are common (OpenAI's default temperature is 1)
         if self.mode == "background" and self._remaining:
             self._thread = threading.Thread(target=self._compile_in_background, name="jaxmodels-compile", daemon=True)
             _running.add(self)
             self._thread.start()
+
+    def compile_on_demand(self, kind: str) -> None:
+        """Start compiling the samplers of `kind` (engine.programs.ON_DEMAND) on a thread of their own, unless done
+        or started: the engine holds the requests that need them until they are ready."""
+        if self.programs.on_demand_ready[kind] or kind in self._on_demand:
+            return
+
+        def run():
+            try:
+                self._compile([(kind, 0)], required=True, desc=f"compiling the {kind} samplers",
+                              threads=os.cpu_count() or 1)
+            except Exception as error:  # noqa: BLE001 - reported to the requests waiting for it
+                log.exception("compiling the %s samplers failed", kind)
+                self.on_demand_errors[kind] = f"{type(error).__name__}: {error}"
+
+        self._on_demand[kind] = thread = threading.Thread(target=run, name=f"jaxmodels-compile-{kind}", daemon=True)
+        thread.start()
+
+    def wait_on_demand(self, kind: str) -> None:
+        if kind in self._on_demand:
+            self._on_demand[kind].join()
 
     def _compile_in_background(self) -> None:
         # Lowering is Python (tracing the model) and holds the GIL for seconds per program; a serving thread that

@@ -128,7 +128,10 @@ LIMITS = dict(dtype="float32", max_batch_size=4, max_seq_len=40, max_prefill_tok
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     hf_model = make_nemotron_h("dense")
-    return hf_model, jaxmodels.LLM(save(hf_model, tmp_path_factory.mktemp("adjusted")), **LIMITS)
+    llm = jaxmodels.LLM(save(hf_model, tmp_path_factory.mktemp("adjusted")), **LIMITS)
+    # Compiled when the first request that needs them comes (its requests wait meanwhile), not with the buckets.
+    assert llm.engine.runner.programs.on_demand_ready == {"sampling": False, "adjusting": False}
+    return hf_model, llm
 
 
 def hf_last_logits(hf_model, tokens) -> np.ndarray:
