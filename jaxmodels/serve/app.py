@@ -5,8 +5,10 @@ Requests are validated on the event loop (long texts tokenized on a thread besid
 thread (`EngineWorker`); their tokens come back as text deltas (`Generation`), streamed as server-sent events or
 collected into one response. Chat output is read by the checkpoint's reasoning and tool-call parsers (chosen once the
 model is loaded, from its model_type and chat template, or named by the command line) into `reasoning_content`,
-`content` and `tool_calls`. Every failure is answered with OpenAI's error JSON, and the server keeps serving.
-Before a request reaches the routes, `security.RequestGuard` checks its API key and the size of its body.
+`content` and `tool_calls`. Penalties, logit_bias, min_tokens and logprobs go to the engine's adjusting sampler; its
+logprobs come back with the tokens and are answered in OpenAI's shapes (responses.py). Every failure is answered
+with OpenAI's error JSON, and the server keeps serving. Before a request reaches the routes, `security.RequestGuard`
+checks its API key and the size of its body.
 """
 
 import asyncio
@@ -28,7 +30,7 @@ from jaxmodels.serve.limits import max_prompt_chars
 from jaxmodels.serve.metrics import ServerStats, prometheus_text
 from jaxmodels.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, validation_error)
-from jaxmodels.serve.responses import ChatResponses, CompletionResponses, sse, usage
+from jaxmodels.serve.responses import ChatResponses, CompletionResponses, TokenStrings, sse, usage
 from jaxmodels.serve.security import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from jaxmodels.serve.worker import EngineWorker
 
@@ -70,6 +72,8 @@ class _Server:
         self.load_failure: str | None = None
         self.llm = None
         self.tokenizer = None
+        self.token_strings: TokenStrings | None = None  # names the tokens of logprobs
+        self.speculative = False  # a speculative engine serves no penalties, logit_bias, min_tokens or logprobs
         self.max_seq_len = None
         self.max_prompt_chars = None  # longer texts cannot fit in max_seq_len tokens (None: no such bound)
         self.capacity = 0
@@ -79,6 +83,8 @@ class _Server:
         """Serve `llm` from now on (on the event loop: the engine thread needs it); `prompt_chars` is
         `prompt_char_bound(llm)`."""
         self.tokenizer = llm.tokenizer
+        self.token_strings = TokenStrings(llm.tokenizer) if llm.tokenizer is not None else None
+        self.speculative = llm.engine.num_speculative_tokens > 0
         self.max_seq_len = llm.engine.max_seq_len
         self.max_prompt_chars = prompt_chars
         template = self.chat_template.source if self.chat_template is not None else None
@@ -166,7 +172,18 @@ class _Server:
     def chat_responses(self, body) -> ChatResponses:
         parsed = self.parsers.reasoning is not None or (body.reads_tool_calls and self.parsers.tool_calls is not None)
         return ChatResponses(self.model_name, return_token_ids=body.return_token_ids, parsed=parsed,
-                             reasoning=self.parsers.reasoning is not None)
+                             reasoning=self.parsers.reasoning is not None, token_strings=self.token_strings)
+
+    def check_adjustments(self, body) -> None:
+        """APIError 400 naming a field that adjusts the logits or asks for logprobs, where this server cannot serve
+        it: logprobs without a tokenizer to name the tokens, any of them with a speculative engine (whose refusal
+        would name them all at once)."""
+        if body.top_logprobs_k is not None and self.token_strings is None:
+            raise APIError(400, "logprobs need the model's tokenizer.json to name the tokens", param="logprobs")
+        if self.speculative and body.adjustments:
+            raise APIError(400, f"{body.adjustments[0]} is not supported with speculative decoding (the server runs "
+                                f"with num_speculative_tokens > 0); neither are penalties, logit_bias, min_tokens "
+                                f"and logprobs", param=body.adjustments[0])
 
     def check_stops(self, stops: list[str]) -> list[str]:
         if stops and self.tokenizer is None:
@@ -314,6 +331,7 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
         server.require_engine()  # its tokenizer and limits come with the model
+        server.check_adjustments(body)
         prompts = await server.encode_prompts(body.prompt)
         stops = server.check_stops(body.stop_strings)
         work = [(prompt, params) for prompt in prompts
@@ -324,7 +342,8 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
             if len(prompts) > 1 and e.choice is not None:  # say which prompt
                 e.message = f"prompt {e.choice // body.n}: {e.message}"
             raise
-        responses = CompletionResponses(server.model_name, return_token_ids=body.return_token_ids)
+        responses = CompletionResponses(server.model_name, return_token_ids=body.return_token_ids,
+                                        token_strings=server.token_strings, top_logprobs=body.logprobs)
         if body.stream:
             return GenerationStream(generation, responses, include_usage_chunk=body.include_usage_chunk)
         choices = await collect(request, generation)
@@ -334,6 +353,7 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
         server.require_engine()
+        server.check_adjustments(body)
         server.check_tool_calls_readable(body)
         prompt = await server.chat_prompt(body)
         max_tokens = body.max_completion_tokens or body.max_tokens

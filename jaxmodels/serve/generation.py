@@ -8,10 +8,17 @@ A chat choice's text goes on through its `ChatOutput`: the reasoning parser spli
 parser finds calls in the content. Both stream, so a delta carries the parts of the message that its text completes
 (`parts`): `Reasoning`, `ContentDelta`, `ToolCallStart` and `ArgumentsDelta`, in the order the model wrote them. A
 streamed response sends them as they come and a whole one folds them, so both end with the same message.
+
+With logprobs, each token's (`TokenLogprob`) travels with the token: a delta carries the logprobs of exactly its
+`token_ids`, the tokens behind its text. A token whose text is held back (half a character, a possible stop string,
+a possible tag) waits with its logprobs, so over a choice's deltas every token's logprobs arrive once, in order,
+whatever batches the engine's tokens came in.
 """
 
 import dataclasses
+import re
 
+from jaxmodels.engine.request import SamplingParams
 from jaxmodels.serve.detokenizer import IncrementalDetokenizer
 from jaxmodels.serve.metrics import ServerStats
 from jaxmodels.serve.protocol import APIError
@@ -19,31 +26,57 @@ from jaxmodels.serve.reasoning import REASONING_PARSERS, ReasoningParser, named_
 from jaxmodels.serve.stop_strings import StopStrings
 from jaxmodels.serve.tool_calls import (TOOL_CALL_PARSERS, ContentDelta, ToolCallParser, ToolCallStart,
                                         tool_call_parser_for)
-from jaxmodels.serve.worker import EngineStopped, EngineWorker, Rejected, Ticket
+from jaxmodels.serve.worker import EngineStopped, EngineWorker, Rejected, Ticket, Tokens
 
 
 # Parser names that are not formats: "auto" picks the checkpoint's own, "none" turns parsing off.
 AUTO, NO_PARSER = "auto", "none"
 
 
+# The request fields that the engine's refusals name by SamplingParams' names (a message starts with one).
+ENGINE_FIELDS = {**{field.name: field.name for field in dataclasses.fields(SamplingParams)},
+                 "max_new_tokens": "max_tokens"}
+
+
 class Rejection(APIError):
-    """The engine refused one of the requests (`choice`; None when the engine has stopped)."""
+    """The engine refused one of the requests (`choice`; None when the engine has stopped). `param` is the field its
+    message starts with, if any."""
 
     def __init__(self, status: int, message: str, choice: int | None):
-        super().__init__(status, message)
+        super().__init__(status, message, param=field_named(message))
         self.choice = choice
+
+
+def field_named(message: str) -> str | None:
+    """The request field that an engine refusal is about, when its message starts with the field's name."""
+    first = re.match(r"\w+", message)
+    return ENGINE_FIELDS.get(first.group()) if first else None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log probability and those of the most likely tokens at its position, and where its text
+    starts in the choice's output as decoded (in characters, before a stop string cuts it: the tokens that complete
+    a stop string point at or past the end of the text returned)."""
+
+    token: int
+    logprob: float
+    top: list  # [(token id, logprob)], the most likely first
+    text_offset: int
 
 
 @dataclasses.dataclass
 class Delta:
     """What one choice gained: text to send, the tokens behind it, and the finish reason once it is done. A chat
-    choice's delta also carries its text as parts of the message (see ChatOutput)."""
+    choice's delta also carries its text as parts of the message (see ChatOutput); with logprobs, a delta carries
+    its tokens' (one TokenLogprob per token id; None without logprobs)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     parts: list = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -53,6 +86,7 @@ class Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     parts: list = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +194,10 @@ class _ChoiceText:
     parsed into parts. Tokens whose text is held back (an unfinished character, a possible stop string, a possible
     tag) wait to go out with it."""
 
-    def __init__(self, index: int, tokenizer, stops: list[str], chat_output: ChatOutput | None = None):
+    def __init__(self, index: int, tokenizer, stops: list[str], chat_output: ChatOutput | None = None, *,
+                 logprobs: bool = False):
         self.index = index
+        self.logprobs = logprobs  # whether its tokens come with logprobs, to be sent with them
         self.chat_output = chat_output
         # Parsed text keeps special tokens; the token that stopped the output is not text then (see `_text`).
         self.keeps_special_tokens = chat_output is not None and chat_output.parses
@@ -170,13 +206,19 @@ class _ChoiceText:
         self.stops = StopStrings(stops)
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        self._decoded_chars = 0  # characters the detokenizer has given out (before stop strings)
         self._unsent: list[int] = []
+        self._unsent_logprobs: list[TokenLogprob] = []
 
-    def add(self, token_ids: list[int], finish_reason: str | None) -> Delta | None:
-        """The delta to send now, or None while everything new is held back."""
+    def add(self, token_ids: list[int], finish_reason: str | None, logprobs: list | None = None) -> Delta | None:
+        """The delta to send now, or None while everything new is held back. `logprobs`: one (logprob, top) per
+        token, with logprobs."""
         self.num_tokens += len(token_ids)
         self._unsent += token_ids
-        text = self._text(token_ids, finish_reason)
+        text, starts = self._text(token_ids, finish_reason)
+        if self.logprobs:
+            self._unsent_logprobs += [TokenLogprob(token, logprob, top, start) for token, (logprob, top), start
+                                      in zip(token_ids, logprobs, starts, strict=True)]
         if self.stops.matched:
             finish_reason = "stop"
         elif finish_reason is not None:
@@ -188,21 +230,39 @@ class _ChoiceText:
         held_back = not parts if self.chat_output is not None else not text
         if held_back and finish_reason is None and self.detokenizer is not None:
             return None
-        delta, self._unsent = Delta(self.index, text, self._unsent, finish_reason, parts), []
+        delta = Delta(self.index, text, self._unsent, finish_reason, parts,
+                      self._unsent_logprobs if self.logprobs else None)
+        self._unsent, self._unsent_logprobs = [], []
         return delta
 
-    def _text(self, token_ids: list[int], finish_reason: str | None) -> str:
-        """The new text past the stop strings. With special tokens kept, the end-of-sequence (or stop_token_ids)
-        token that stopped the output is left out: it ends the message, it is not part of it (skipping special
-        tokens drops it otherwise)."""
+    def _text(self, token_ids: list[int], finish_reason: str | None) -> tuple[str, list[int]]:
+        """The new text past the stop strings, and (with logprobs) where each token's text starts in the decoded
+        output. With special tokens kept, the end-of-sequence (or stop_token_ids) token that stopped the output is
+        left out: it ends the message, it is not part of it (skipping special tokens drops it otherwise)."""
         if self.detokenizer is None:
-            return ""
-        if finish_reason == "stop" and self.keeps_special_tokens and token_ids:
-            token_ids = token_ids[:-1]
-        text = self.stops.add(self.detokenizer.add(token_ids))
+            return "", [0] * len(token_ids)
+        ended_by_token = finish_reason == "stop" and self.keeps_special_tokens and bool(token_ids)
+        decoded, starts = self._decode(token_ids[:-1] if ended_by_token else token_ids)
+        if ended_by_token and self.logprobs:
+            starts.append(self._decoded_chars)
+        text = self.stops.add(decoded)
         if finish_reason is not None and not self.stops.matched:
             text += self.stops.add(self.detokenizer.flush())
-        return text
+        return text, starts
+
+    def _decode(self, token_ids: list[int]) -> tuple[str, list[int]]:
+        """The text the tokens complete, and (with logprobs) where each one's text starts. With logprobs they go
+        into the detokenizer one at a time, so that each one's start is the same whatever batches they came in."""
+        if not self.logprobs:
+            text = self.detokenizer.add(token_ids)
+            self._decoded_chars += len(text)
+            return text, []
+        pieces, starts = [], []
+        for token in token_ids:
+            starts.append(self._decoded_chars)
+            pieces.append(self.detokenizer.add([token]))
+            self._decoded_chars += len(pieces[-1])
+        return "".join(pieces), starts
 
     def _parts(self, text: str, finish_reason: str | None) -> list:
         if self.chat_output is None:
@@ -222,8 +282,9 @@ class Generation:
         self.stats = stats
         self.ticket = Ticket(work)
         self.prompt_tokens = sum(len(prompt) for prompt, _ in work)
-        self.choices = [_ChoiceText(i, tokenizer, stops, chat_output() if chat_output is not None else None)
-                        for i in range(len(work))]
+        self.choices = [_ChoiceText(i, tokenizer, stops, chat_output() if chat_output is not None else None,
+                                    logprobs=params.logprobs is not None)
+                        for i, (_, params) in enumerate(work)]
         self._unfinished = len(work)
 
     @property
@@ -254,13 +315,13 @@ class Generation:
         (the consumer cancelled or closed this generator) closes the generation."""
         try:
             while self._unfinished:
-                for index, (token_ids, finish_reason) in (await self._next_tokens()).items():
+                for index, tokens in (await self._next_tokens()).items():
                     choice = self.choices[index]
                     if choice.finish_reason is not None:
                         continue  # a stop string ended it here; this is the engine catching up
-                    delta = choice.add(token_ids, finish_reason)
+                    delta = choice.add(tokens.token_ids, tokens.finish_reason, tokens.logprobs)
                     if choice.finish_reason is not None:
-                        self._finished(choice, still_in_engine=finish_reason is None)
+                        self._finished(choice, still_in_engine=tokens.finish_reason is None)
                     if delta is not None:
                         yield delta
         finally:
@@ -274,7 +335,7 @@ class Generation:
             self.worker.abort(self.ticket)
             self._close_all(reason="abort")
 
-    async def _next_tokens(self) -> dict[int, tuple[list[int], str | None]]:
+    async def _next_tokens(self) -> dict[int, Tokens]:
         """All the Tokens waiting (at least one), merged per choice: a consumer that falls behind the engine then
         sends fewer, larger chunks instead of falling further behind."""
         events = [await self.ticket.events.get()]
@@ -284,18 +345,22 @@ class Generation:
         for event in events:
             if isinstance(event, EngineStopped):
                 raise APIError(503, event.message)
-            token_ids, _ = merged.get(event.index, ([], None))
-            merged[event.index] = (token_ids + event.token_ids, event.finish_reason)
+            earlier = merged.get(event.index)
+            merged[event.index] = event if earlier is None else Tokens(
+                event.index, earlier.token_ids + event.token_ids, event.finish_reason,
+                None if event.logprobs is None else earlier.logprobs + event.logprobs)
         return merged
 
     async def collect(self) -> list[Choice]:
-        choices = [Choice(i) for i in range(len(self.choices))]
+        choices = [Choice(c.index, logprobs=[] if c.logprobs else None) for c in self.choices]
         async for delta in self.deltas():
             choice = choices[delta.index]
             choice.text += delta.text
             choice.token_ids += delta.token_ids
             choice.parts += delta.parts
             choice.finish_reason = delta.finish_reason
+            if delta.logprobs is not None:
+                choice.logprobs += delta.logprobs
         return choices
 
     def _finished(self, choice: _ChoiceText, still_in_engine: bool) -> None:

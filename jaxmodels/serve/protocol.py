@@ -2,7 +2,13 @@
 
 Unknown fields are refused (a field we silently ignored would change what the client asked for without telling
 it); OpenAI fields we do not implement are accepted only at their neutral value. `top_k`, `stop_token_ids`,
-`ignore_eos`, `return_token_ids` and `chat_template_kwargs` are vLLM's extensions, under vLLM's names.
+`ignore_eos`, `return_token_ids`, `chat_template_kwargs`, `repetition_penalty` and `min_tokens` are vLLM's
+extensions, under vLLM's names.
+
+Logprobs: completions take OpenAI's legacy `logprobs` k (an int; up to 20 here, as vLLM allows, where OpenAI stops at
+5), chat completions `logprobs: true` and `top_logprobs` k. `top_logprobs` above 0 without `logprobs` is refused;
+0 is taken as "not used", as it was before logprobs were served. `logit_bias` is OpenAI's object of token id strings
+to numbers.
 
 Tools are OpenAI function tools. `tool_choice` "auto" (the default with tools) and "none" are served; "required" and
 a named function need decoding constrained to a call, which the engine cannot do yet, so they are refused rather
@@ -15,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jaxmodels.engine.request import SamplingParams
+from jaxmodels.engine.request import BIAS_ENTRIES, MAX_LOGPROBS, SamplingParams
 from jaxmodels.serve.chat_template import RESERVED_VARIABLES
 
 
@@ -55,10 +61,15 @@ class StreamOptions(BaseModel):
 
 # OpenAI fields we do not implement, and the values that mean "not used".
 NEUTRAL_VALUES = {
-    "echo": (False, None), "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
+    "echo": (False, None), "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
 }
+
+# A logit_bias key: a token id written as a decimal string, as OpenAI's clients send them.
+TOKEN_ID_STRING = re.compile(r"0|[1-9][0-9]*")
+MAX_LOGIT_BIAS = 100
+# The request fields the engine serves with its adjusting sampler, under SamplingParams' names (which are theirs).
+ADJUSTMENT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+                     "logprobs")
 
 
 class _Sampled(BaseModel):
@@ -79,10 +90,26 @@ class _Sampled(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # answer with the prompt's and each choice's token ids (vLLM's name)
     user: str | None = None  # for the client's own tracking; ignored
-    logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)  # None: 0
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)  # None: 1, off
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias):
+        if bias is None:
+            return None
+        keys = [key for key in bias if not TOKEN_ID_STRING.fullmatch(key)]
+        if keys:
+            raise ValueError(f"keys must be token ids as decimal strings, got {keys[0]!r}")
+        values = [value for value in bias.values() if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS]
+        if values:
+            raise ValueError(f"values must be numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {values[0]!r}")
+        if len(bias) > BIAS_ENTRIES:
+            raise ValueError(f"has {len(bias)} entries; at most {BIAS_ENTRIES}")
+        return bias
 
     @field_validator(*[name for name in NEUTRAL_VALUES], check_fields=False)
     @classmethod
@@ -95,11 +122,28 @@ class _Sampled(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """How many of the most likely tokens come with each output token's logprob; None: no logprobs."""
+        raise NotImplementedError
+
+    @property
+    def adjustments(self) -> list[str]:
+        """The fields that adjust the logits or ask for logprobs set to more than their neutral values (a
+        speculative engine serves none of them)."""
+        params, neutral = self.sampling_params(max_new_tokens=1)[0], SamplingParams()
+        return [name for name in ADJUSTMENT_FIELDS if getattr(params, name) != getattr(neutral, name)]
+
     def sampling_params(self, max_new_tokens: int) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i draws with seed + i."""
+        bias = {int(token): value for token, value in self.logit_bias.items()} if self.logit_bias else None
         return [SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                                top_k=self.top_k, stop_token_ids=tuple(self.stop_token_ids),
-                               ignore_eos=self.ignore_eos, seed=None if self.seed is None else self.seed + i)
+                               ignore_eos=self.ignore_eos, seed=None if self.seed is None else self.seed + i,
+                               presence_penalty=self.presence_penalty or 0.0,
+                               frequency_penalty=self.frequency_penalty or 0.0,
+                               repetition_penalty=self.repetition_penalty or 1.0, min_tokens=self.min_tokens,
+                               logit_bias=bias, logprobs=self.top_logprobs_k)
                 for i in range(self.n)]
 
     @property
@@ -111,9 +155,14 @@ class CompletionRequest(_Sampled):
     # A string, a list of strings, a list of token ids, or a list of lists of token ids.
     prompt: Any
     max_tokens: int | None = Field(16, ge=1)  # None: up to max_seq_len
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -233,7 +282,8 @@ class ChatCompletionRequest(_Sampled):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # after logprobs: its validator reads it
     tools: list[ToolDefinition] | None = None
     tool_choice: Any = None  # after tools: its validator reads them
     response_format: Any = None
@@ -241,6 +291,17 @@ class ChatCompletionRequest(_Sampled):
 
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
     _tool_names = field_validator("tools")(_check_tool_names)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, k, info):
+        if k and "logprobs" in info.data and not info.data["logprobs"]:
+            raise ValueError("needs logprobs: true")
+        return k
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tool_choice")
     @classmethod

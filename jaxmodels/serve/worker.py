@@ -39,6 +39,8 @@ class Tokens:
     index: int  # the ticket's request (choice) they belong to
     token_ids: list[int]  # new since the last Tokens of this request
     finish_reason: str | None  # "stop", "length" or "abort" once the request finished
+    # With SamplingParams.logprobs, one per token: (its logprob, [(token id, logprob)] of the most likely ones).
+    logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -166,12 +168,14 @@ class EngineWorker:
             if route is None:
                 continue  # a request aborted because another of its ticket was rejected
             new = request.output[route.delivered:]
+            logprobs = (request.logprobs[route.delivered:route.delivered + len(new)]
+                        if request.params.logprobs is not None else None)
             route.delivered += len(new)
             generated += len(new)
             finish_reason = request.finish_reason if request.finished else None
             if finish_reason is not None:
                 del self._routes[request.request_id]
-            self._outbox.append((route.ticket, Tokens(route.index, new, finish_reason)))
+            self._outbox.append((route.ticket, Tokens(route.index, new, finish_reason, logprobs)))
         self.throughput.add(time.monotonic(), generated)
 
     def _post(self) -> None:
