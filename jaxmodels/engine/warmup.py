@@ -18,6 +18,11 @@ Modes (`Engine(warmup=...)`):
   * "none" (False): nothing before serving; each program compiles on its first use, on the step path (a quick way
     to run a few requests once, e.g. the CLI's `generate`).
 
+A bucket is its forward program and greedy sampler. The samplers of sampled requests (temperature > 0) and of
+requests that adjust their logits or ask for logprobs compile on demand, for every bucket at once
+(`compile_on_demand`, engine.programs.ON_DEMAND): in "background" mode right after the start, otherwise when the
+first request that needs them comes, which the engine holds until they are ready (never on the step path).
+
 Lowering (tracing the model) holds the GIL and runs on one thread; XLA's compilation releases it and runs on a pool
 of threads, so the programs of a set compile concurrently.
 """
@@ -31,7 +36,7 @@ import threading
 import time
 import weakref
 
-from jaxmodels.engine.programs import ON_DEMAND, SAMPLING
+from jaxmodels.engine.programs import ON_DEMAND
 from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")
@@ -132,8 +137,9 @@ class Warmup:
         self.ready_s = time.perf_counter() - self.started
         log.info("ready to serve %.1f s after the start; buckets compiled: %s", self.ready_s,
                  {kind.name.lower(): sizes for kind, sizes in self.programs.ready_buckets().items()})
-        if self.mode == "background":
-            self.compile_on_demand(SAMPLING)  # sampled requests are common (OpenAI's default temperature is 1)
+        if self.mode == "background":  # a server's first sampled (OpenAI's default) or logprobs request need not wait
+            for kind in ON_DEMAND:
+                self.compile_on_demand(kind)
         if self.mode == "background" and self._remaining:
             self._thread = threading.Thread(target=self._compile_in_background, name="jaxmodels-compile", daemon=True)
             _running.add(self)

@@ -28,7 +28,7 @@ BAD_REQUESTS = {
     "seed_out_of_range": ("completions", {"prompt": "hi", "seed": -1}, 400, ["seed"]),
     "string_for_bool": ("completions", {"prompt": "hi", "stream": "yes"}, 400, ["stream"]),
     "unknown_field": ("completions", {"prompt": "hi", "beam_width": 4}, 400, ["beam_width"]),
-    "unsupported_logprobs": ("completions", {"prompt": "hi", "logprobs": 2}, 400, ["logprobs", "not supported"]),
+    "too_many_logprobs": ("completions", {"prompt": "hi", "logprobs": 21}, 400, ["logprobs"]),
     "unknown_model": ("completions", {"prompt": "hi", "model": "gpt-9"}, 404, ["gpt-9", MODEL]),
     "chat_no_messages": ("chat/completions", {"messages": []}, 400, ["messages"]),
     "chat_unknown_role": ("chat/completions", {"messages": [{"role": "robot", "content": "beep"}]}, 400,
