@@ -7,6 +7,7 @@ import pytest
 
 from jaxmodels.serve.reasoning import DeepSeekV32ReasoningParser, Glm5ReasoningParser, Nemotron3ReasoningParser
 from jaxmodels.serve.reasoning import NemotronReasoningParser
+from tests.serve.test_reasoning_parsers import GLM5_TEMPLATE, NANO2_TEMPLATE, NEMOTRON3_TEMPLATE
 from jaxmodels.serve.tool_calls import (ArgumentsDelta, ContentDelta, DeepSeekV32ToolCallParser, Glm5ToolCallParser,
                                         Nemotron3ToolCallParser, NemotronToolCallParser, ToolCallStart, collect,
                                         tool_call_parser_for)
@@ -277,9 +278,6 @@ def test_reasoning_then_tool_calls_streamed(reasoning_class, tool_class, prompt,
     assert stream_chained(reasoning_class(prompt), tool_class(tools=TOOLS), list(text)) == (reasoning, content, calls)
 
 
-NANO2_TEMPLATE = "{{- '<TOOLCALL>[' -}}{{- '<SPECIAL_11>Assistant\\n' -}}{{- '<think>\\n\\n' -}}"
-NEMOTRON3_TEMPLATE = "{{- '<tool_call>\\n<function=' ~ tool_call.name ~ '>\\n' -}}{{- '<think>\\n' }}"
-GLM5_TEMPLATE = "{{- '<tool_call>' + tc.name -}}<arg_key>{{ k }}</arg_key>{{- '</think>' if x else '<think>' -}}"
 DSV32_TEMPLATE = '{%- set dsml_token = "｜DSML｜" -%}<{{ dsml_token }}function_calls>'
 
 
