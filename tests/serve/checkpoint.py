@@ -40,15 +40,16 @@ name={{ message.name | tojson }}
 {% endif %}"""
 
 
-def byte_level_tokenizer():
+def byte_level_tokenizer(corpus=SENTENCES, *, vocab_size: int = 320, special_tokens=SPECIAL_TOKENS):
+    """A byte-level BPE tokenizer (as the served families' are) trained on `corpus`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(SENTENCES, trainer)
+    tokenizer.train_from_iterator(corpus, trainer)
     return tokenizer
 
 

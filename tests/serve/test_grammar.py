@@ -14,6 +14,7 @@ import pytest
 llguidance = pytest.importorskip("llguidance")  # the GPU machine may lack the [serve] extra's packages
 jsonschema = pytest.importorskip("jsonschema")
 
+from tests.serve.checkpoint import byte_level_tokenizer  # noqa: E402
 from jaxmodels.serve.grammar import (GrammarCompiler, GrammarSpec, GrammarViolation, allowed_token_mask,  # noqa: E402
                                      apply_bitmask, fill_next_masks)
 
@@ -34,15 +35,7 @@ CORPUS = [
 
 
 def train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    return tokenizer
+    return byte_level_tokenizer(CORPUS, vocab_size=600, special_tokens=SPECIAL_TOKENS)
 
 
 @pytest.fixture(scope="module")
