@@ -101,6 +101,11 @@ def _attach_logprobs(step, got: list[Request], chosen, top_ids, top_logprobs) ->
                                      list(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist()))))
 
 
+def _abort_unscheduled(request: Request) -> None:
+    """End a request the scheduler never had (held for its samplers) with "abort"."""
+    request.finish_reason, request.status = "abort", RequestStatus.FINISHED
+
+
 class Engine:
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int | None = None,
                  max_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None,
@@ -222,7 +227,7 @@ class Engine:
         self._live: dict[int, Request] = {}  # unfinished requests by id
         self._aborts: set[int] = set()
         self._inflight: list[_InFlight] = []
-        self._held: list[Request] = []  # requests waiting for the logit-adjusting sampler's compilation
+        self._held: list[Request] = []  # requests waiting for the samplers they need to compile (ON_DEMAND)
         self.last_launch: tuple[StepKind, int] | None = None  # (kind, rows) of the last step the last step() sent
         self.times = StepTimes()
 
@@ -287,7 +292,7 @@ class Engine:
         for request in self._held:
             samplers = programs.samplers_for(request.params)
             if samplers in warmup.on_demand_errors:
-                request.finish_reason, request.status = "abort", RequestStatus.FINISHED
+                _abort_unscheduled(request)
                 ended.append(request)
             elif programs.on_demand_ready[samplers]:
                 self.scheduler.add(request)
@@ -360,7 +365,7 @@ class Engine:
             request = self._live.get(request_id)
             if request in self._held:
                 self._held.remove(request)
-                request.finish_reason, request.status = "abort", RequestStatus.FINISHED
+                _abort_unscheduled(request)
                 aborted.append(request)
             elif request is not None and self.scheduler.abort(request):
                 aborted.append(request)

@@ -189,8 +189,7 @@ class PrefixCache:
     def take_tail(self, tail: CachedTail) -> None:
         """A request resumes after `tail`: it takes the tail's page and state (its step restores the snapshot
         before anything can write the freed snapshot slot), and the tail is gone."""
-        self._tail_pages -= self._idle.pop(tail.node_id, None) is not None
-        self._drop_tail(tail)
+        self._discard_tail(tail)
 
     def stash(self, tail: CachedTail) -> int | None:
         """The tail's state leaves its request slot, which another request needs: the snapshot slot it goes to (the
@@ -209,12 +208,11 @@ class PrefixCache:
         ids, now free, and their snapshots freed (and the tails after an evicted page, whose pages come too)."""
         pages = []
         while len(pages) < count and self._idle:
-            _, node = self._idle.popitem(last=False)
+            node = next(iter(self._idle.values()))
             if isinstance(node, CachedTail):
-                self._drop_tail(node)
-                self._tail_pages -= 1
-                pages.append(node.page)
+                pages.append(self._discard_tail(node))
                 continue
+            del self._idle[node.node_id]
             assert node.children == 0, "an idle page with cached children was evicted first"
             del self._children[(node.parent.node_id if node.parent else 0, node.tokens)]
             if node.parent is not None:
@@ -226,13 +224,18 @@ class PrefixCache:
 
     def _drop_tails_after(self, node: CachedPage | None) -> list[int]:
         """Drop the tails after `node` (the root for None); returns their pages."""
-        pages = []
-        for tail in list(self._tails.get(node.node_id if node else 0, ())):
-            if self._idle.pop(tail.node_id, None) is not None:
-                self._tail_pages -= 1
-                pages.append(tail.page)
-            self._drop_tail(tail)
-        return pages
+        pages = [self._discard_tail(tail) for tail in list(self._tails.get(node.node_id if node else 0, ()))]
+        return [page for page in pages if page is not None]
+
+    def _discard_tail(self, tail: CachedTail) -> int | None:
+        """Drop `tail` and take its page out of the idle list: the page, now the caller's, or None (it had none,
+        or its page went already)."""
+        page = None
+        if self._idle.pop(tail.node_id, None) is not None:
+            self._tail_pages -= 1
+            page = tail.page
+        self._drop_tail(tail)
+        return page
 
     def _drop_tail(self, tail: CachedTail) -> None:
         self._unindex(tail)

@@ -260,13 +260,10 @@ class Runner:
         """Send the adjusting sampler (an extend step's records its penalized tokens first); -> (tokens, their
         logprobs, the top tokens, their logprobs) as device arrays."""
         mode = ADJUSTED_GREEDY if knobs.greedy else ADJUSTED[1]
-        rows = logits.shape[0] // self.dp
-        if kind is StepKind.EXTEND:
-            results, self.last_tokens, self.token_counts = self._executable(("sampler", rows, "extend", mode))(
-                logits, self.last_tokens, knobs, adjust, self.token_counts, record)
-        else:
-            results, self.last_tokens, self.token_counts = self._executable(("sampler", rows, mode))(
-                logits, self.last_tokens, knobs, adjust, self.token_counts)
+        extend = kind is StepKind.EXTEND
+        job = ("sampler", logits.shape[0] // self.dp, *(("extend",) if extend else ()), mode)
+        results, self.last_tokens, self.token_counts = self._executable(job)(
+            logits, self.last_tokens, knobs, adjust, self.token_counts, *((record,) if extend else ()))
         return results
 
     def _run(self, kind, n, batch, knobs, adjust=None, record=None):

@@ -72,7 +72,6 @@ class SlotTables:
         # What the adjusting sampler reads (engine.sampler.adjust_logits): penalties, min_tokens, and a row of
         # (token, bias) entries, those of min_tokens' stop tokens flagged.
         self.adjusted = np.zeros(num_slots, bool)
-        self.penalized = np.zeros(num_slots, bool)
         self.presence = np.zeros(num_slots, np.float32)
         self.frequency = np.zeros(num_slots, np.float32)
         self.repetition = np.ones(num_slots, np.float32)
@@ -85,7 +84,7 @@ class SlotTables:
         slot, p = request.slot, request.params
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, max(p.top_k, 0)
         self.seed[slot], self.prompt_len[slot] = request.seed, len(request.prompt)
-        self.adjusted[slot], self.penalized[slot] = p.adjusted, p.penalized
+        self.adjusted[slot] = p.adjusted
         if p.adjusted:
             self.presence[slot], self.frequency[slot] = p.presence_penalty, p.frequency_penalty
             self.repetition[slot], self.min_tokens[slot] = p.repetition_penalty, p.min_tokens
@@ -104,7 +103,7 @@ class SlotTables:
         self.temperature[slot], self.top_p[slot], self.top_k[slot], self.seed[slot] = 0.0, 1.0, 0, 0
         self.prompt_len[slot] = 0
         if self.adjusted[slot]:
-            self.adjusted[slot] = self.penalized[slot] = False
+            self.adjusted[slot] = False
             self.presence[slot] = self.frequency[slot] = self.min_tokens[slot] = 0
             self.repetition[slot] = 1
             self.bias_ids[slot], self.bias[slot], self.bias_stops[slot] = 0, 0, False
@@ -264,24 +263,29 @@ class Scheduler:
             self.cache.supersede(node)
         return chunk._replace(save=slot or 0)
 
+    def _slot_source(self, match) -> str:
+        """Where a request with `match` gets its slot: "tail" (its tail's, which holds the state it resumes from),
+        "free", or "kept" (the slot kept longest for a tail, whose state is then stashed)."""
+        if match is not None and match.tail is not None and match.tail.slot is not None:
+            return "tail"
+        return "free" if len(self.free_slots) else "kept"
+
     def _copies_to_admit(self, match) -> int:
         """State copies before the step that admitting a request with `match` needs: its restore, and the stash of
         the state kept in the slot it would take (see `_take_slot`)."""
-        restore = match.snapshot is not None
-        if match.tail is not None and match.tail.slot is not None or len(self.free_slots) or not self.keeping:
-            return restore
-        tail = next(iter(self.keeping.values()))
-        return restore + (not tail.dropped and self.state_copies > 0)
+        stash = (self._slot_source(match) == "kept" and not next(iter(self.keeping.values())).dropped
+                 and self.state_copies > 0)
+        return (match.snapshot is not None) + stash
 
     def _take_slot(self, match, stashed: dict) -> tuple[int, tuple | None]:
-        """A slot for a request with `match`: its tail's (which holds the state it resumes from), a free one, or
-        the slot kept longest for a tail, whose state is then stashed in a snapshot slot (before the step: recorded
-        in `stashed`) or, with no copy to spare, dropped. -> (slot, (slot, snapshot slot) or None)."""
-        tail = match.tail if match is not None else None
-        if tail is not None and tail.slot is not None:
-            del self.keeping[tail.slot]
-            return tail.slot, None
-        if len(self.free_slots):
+        """A slot for a request with `match` (see `_slot_source`); a kept slot's state is stashed in a snapshot
+        slot (before the step: recorded in `stashed`) or, with no snapshot slot to take, dropped. -> (slot,
+        (slot, snapshot slot) or None)."""
+        source = self._slot_source(match)
+        if source == "tail":
+            del self.keeping[match.tail.slot]
+            return match.tail.slot, None
+        if source == "free":
             return self.free_slots.take()[0], None
         slot, kept = self.keeping.popitem(last=False)
         if kept.dropped:
