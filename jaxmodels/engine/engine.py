@@ -21,7 +21,8 @@ import jax
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
 from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, reports_memory, total_bytes
-from jaxmodels.engine.request import BIAS_ENTRIES, Request, RequestStatus, SamplingParams, prompt_problems
+from jaxmodels.engine.request import (BIAS_ENTRIES, Request, RequestStatus, SamplingParams, prompt_problems,
+                                      stop_tokens)
 from jaxmodels.engine.runner import Runner
 from jaxmodels.engine.scheduler import GroupedScheduler
 from jaxmodels.engine.step import ModelStep
@@ -311,7 +312,7 @@ class Engine:
         out = []
         if any(token >= self.config.vocab_size for token in params.logit_bias or {}):
             out.append(f"logit_bias has a token id outside the vocabulary [0, {self.config.vocab_size})")
-        stops = len(params.stop_token_ids) + (0 if params.ignore_eos else len(self.eos_ids)) if params.min_tokens else 0
+        stops = len(stop_tokens(params, self.eos_ids)) if params.min_tokens else 0
         if len(params.logit_bias or {}) + stops > BIAS_ENTRIES:
             out.append(f"logit_bias has {len(params.logit_bias)} entries and min_tokens holds back {stops} stop "
                        f"tokens: at most {BIAS_ENTRIES} together")

@@ -96,6 +96,11 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def stop_tokens(params: SamplingParams, eos_ids) -> list[int]:
+    """The tokens that end a request with `params` on a model whose EOS ids are `eos_ids`."""
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(eos_ids))
+
+
 def prompt_problems(prompt, *, vocab_size: int, max_seq_len: int) -> list[str]:
     if len(prompt) == 0:
         return ["prompt is empty"]
@@ -150,7 +155,7 @@ class Request:
     @property
     def stop_tokens(self) -> list[int]:
         """The tokens that end it (those min_tokens holds back)."""
-        return list(self.params.stop_token_ids) + ([] if self.params.ignore_eos else sorted(self.eos_ids))
+        return stop_tokens(self.params, self.eos_ids)
 
     @property
     def decoding(self) -> bool:
