@@ -104,7 +104,8 @@ class LLM:
                              matmul_precision=matmul_precision, overlap=overlap,
                              mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
                              num_speculative_tokens=num_speculative_tokens, launch_thread=launch_thread,
-                             enable_prefix_caching=enable_prefix_caching, mamba_cache_slots=mamba_cache_slots)
+                             enable_prefix_caching=enable_prefix_caching, mamba_cache_slots=mamba_cache_slots,
+                             tokenizer=self.tokenizer)
         # Over a mesh the engine holds the only copy of the weights, sharded: keeping the loaded model here would
         # keep a whole unsharded copy alive beside it.
         self.model = model if mesh is None else None

@@ -12,15 +12,19 @@ step that yields 1 to k+1 tokens per request. The device keeps each slot's posit
 overlap too; the host learns how many tokens a step gave when it reads it, one step later.
 """
 
+import concurrent.futures
 import dataclasses
 import logging
 import random
+import threading
 import time
 
 import jax
+import numpy as np
 
 from jaxmodels.engine.buckets import decode_buckets, prefill_buckets
 from jaxmodels.engine.cache import PoolSizes, free_device_memory, pages_within, reports_memory, total_bytes
+from jaxmodels.engine.grammar import GrammarCompiler, GrammarMatcher, fill_next_masks
 from jaxmodels.engine.request import (BIAS_ENTRIES, Request, RequestStatus, SamplingParams, prompt_problems,
                                       stop_tokens)
 from jaxmodels.engine.runner import Runner
@@ -102,6 +106,19 @@ def _attach_logprobs(step, got: list[Request], chosen, top_ids, top_logprobs) ->
                                      list(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist()))))
 
 
+def _constrained_rows(kind: StepKind, works: list, rows_per_group: int) -> list[tuple[Request, int]]:
+    """(request, row) of a step's rows that draw a token under a grammar (an extend chunk only where it ends the
+    request's known tokens: the others' tokens are dropped)."""
+    out = []
+    for g, work in enumerate(works):
+        for r, item in enumerate(work):
+            request = item.request if kind is StepKind.EXTEND else item
+            if request.grammar is not None and (kind is not StepKind.EXTEND
+                                                or item.start + item.length == len(request.token_ids)):
+                out.append((request, g * rows_per_group + r))
+    return out
+
+
 def _abort_unscheduled(request: Request) -> None:
     """End a request the scheduler never had (held for its samplers) with "abort"."""
     request.finish_reason, request.status = "abort", RequestStatus.FINISHED
@@ -115,7 +132,7 @@ class Engine:
                  memory_fraction: float | None = None, overlap: bool = True, mamba_ssm_cache_dtype=None,
                  matmul_precision: str | None = None, num_speculative_tokens: int = 0,
                  launch_thread: bool | None = None, enable_prefix_caching: bool = True,
-                 mamba_cache_slots: int | None = None):
+                 mamba_cache_slots: int | None = None, tokenizer=None):
         """`max_seq_len` (prompt plus output tokens of one request) may go up to the model's
         `max_position_embeddings` (the YaRN-extended length where the config has YaRN); by default
         min(DEFAULT_MAX_SEQ_LEN, that).
@@ -150,6 +167,8 @@ class Engine:
         which it keeps `mamba_cache_slots` per dp group (default: `default_snapshots`, 1.25 per request slot, and
         where pools are sized by memory at most SNAPSHOT_MEMORY_SHARE of it; each costs what a request's state
         does, taken from the pages' memory).
+        `tokenizer` (a `tokenizers.Tokenizer`): the one structured output compiles its grammars for (requests with
+        SamplingParams.structured_output are refused without it).
         """
         positions = model.config.max_position_embeddings
         max_seq_len = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, positions)
@@ -223,6 +242,9 @@ class Engine:
         self.warmup = Warmup(self.runner.programs, mode, progress=progress, started=started, owner=self)
         self.warmup.start()
         self.eos_ids = frozenset(self.config.eos_token_id)
+        self.tokenizer = tokenizer
+        self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
         self._next_id = 0
         self._seeds = random.Random(0)
         self._live: dict[int, Request] = {}  # unfinished requests by id
@@ -268,8 +290,9 @@ class Engine:
         problems += params.problems() or self._adjustment_problems(params)
         if problems:
             raise InvalidRequest("; ".join(problems))
+        grammar = self._grammar_matcher(params.structured_output) if params.structured_output is not None else None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        request = Request(self._next_id, prompt, params, seed, eos_ids=self.eos_ids)
+        request = Request(self._next_id, prompt, params, seed, eos_ids=self.eos_ids, grammar=grammar)
         self._next_id += 1
         self._live[request.request_id] = request
         samplers = self.runner.programs.samplers_for(params)
@@ -279,6 +302,26 @@ class Engine:
         else:
             self.scheduler.add(request)
         return request
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured output's compiler for this model's tokenizer, built on first use (about a second for a 128k
+        vocabulary; thread-safe: a server compiles each request's grammar off its event loop, before add_request,
+        which then finds it in the compiler's cache)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise InvalidRequest("structured output needs the model's tokenizer (a tokenizer.json in the "
+                                         "checkpoint directory)")
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size=self.config.vocab_size,
+                                                         eos_token_ids=self.eos_ids)
+            return self._grammar_compiler
+
+    def _grammar_matcher(self, spec) -> GrammarMatcher:
+        try:
+            return self.grammar_compiler.matcher(spec)
+        except ValueError as error:
+            raise InvalidRequest(f"structured_output: {error}") from None
 
     def _release_held(self) -> list[Request]:
         """Queue the requests held for a sampler compiled on demand (engine.programs.ON_DEMAND) once it is ready,
@@ -307,8 +350,8 @@ class Engine:
         if not params.adjusted:
             return []
         if self.num_speculative_tokens:
-            return ["penalties, logit_bias, min_tokens and logprobs are not supported with speculative decoding "
-                    "(num_speculative_tokens > 0)"]
+            return ["penalties, logit_bias, min_tokens, logprobs and structured output are not supported with "
+                    "speculative decoding (num_speculative_tokens > 0)"]
         out = []
         if any(token >= self.config.vocab_size for token in params.logit_bias or {}):
             out.append(f"logit_bias has a token id outside the vocabulary [0, {self.config.vocab_size})")
@@ -344,13 +387,32 @@ class Engine:
             steps = self.scheduler.schedule()
         if not steps and self.scheduler.has_work():
             raise RuntimeError("scheduler stalled with work left and nothing in flight; the pool is too small")
-        launched = []
-        for kind, works in steps:
-            tokens, rows = self.runner.launch(kind, works, self.scheduler.tables())
-            launched.append(_InFlight(kind, works, tokens, rows))
-            self._count(kind, works)
-        self.last_launch = (steps[-1][0], sum(map(len, steps[-1][1]))) if steps else None
-        updated += self._collect()  # waits for the previous steps; the ones just sent are queued behind them
+        launched, masks = [], []
+        try:
+            for kind, works in steps:
+                prepared = self.runner.prepare(kind, works, self.scheduler.tables())
+                rows = _constrained_rows(kind, works, prepared.rows) if prepared.adjusted else []
+                bitmask = None
+                if rows:
+                    # The masks need every token before this step's on the host. The launch thread sends the
+                    # forward and waits for them; they are computed below, after the steps in flight are read.
+                    bitmask = concurrent.futures.Future()
+                    masks.append((bitmask, rows, len(works) * prepared.rows))
+                    if not self.runner.launches_in_background:  # this thread launches: the masks come first
+                        updated += self._collect()
+                        self._fill_masks(masks[-1])
+                launched.append(_InFlight(kind, works, self.runner.send(prepared, bitmask), prepared.rows))
+                self._count(kind, works)
+            self.last_launch = (steps[-1][0], sum(map(len, steps[-1][1]))) if steps else None
+            updated += self._collect()  # waits for the previous steps; the ones just sent are queued behind them
+            for pending in masks:
+                if not pending[0].done():
+                    self._fill_masks(pending)
+        except BaseException as error:
+            for bitmask, *_ in masks:  # the launch thread must not wait for them forever
+                if not bitmask.done():
+                    bitmask.set_exception(error)
+            raise
         self._inflight = launched
         if not self.overlap:
             updated += self._collect()
@@ -359,6 +421,15 @@ class Engine:
                 self._live.pop(request.request_id, None)
         self.times.wall_s += time.perf_counter() - start
         return updated
+
+    def _fill_masks(self, pending) -> None:
+        """Complete a step's bitmask future: each constrained row's next mask (its matcher has every token before
+        it), every token allowed in the other rows."""
+        bitmask, rows, total = pending
+        compiler = self.grammar_compiler
+        array = np.full((total, compiler.mask_words), -1, np.int32)
+        fill_next_masks(compiler, [(request.grammar, row) for request, row in rows if not request.finished], array)
+        bitmask.set_result(array)
 
     def _apply_aborts(self) -> list[Request]:
         aborted = []

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxmodels.engine.batch import adjust_knobs, decode_batch, extend_adjust_knobs, extend_batch, verify_batch
 from jaxmodels.engine.buckets import bucket_for
+from jaxmodels.engine.grammar import bitmask_words
 from jaxmodels.engine.scheduler import SlotTables
 from jaxmodels.step_context import StepKind
 
@@ -121,8 +122,9 @@ class StepPrograms:
             if mode[0] in SAMPLERS:
                 return self.programs[mode[0]], (logits, abstract["last_tokens"], knobs)
             part = self._example_adjust(n, extend=mode[0] == "extend")
+            bitmask = jax.ShapeDtypeStruct((self.dp * n, bitmask_words(self.vocab_size)), jnp.int32)
             return self.programs[tuple(mode) if len(mode) > 1 else mode[0]], (
-                logits, abstract["last_tokens"], knobs, part[0], abstract["token_counts"], *part[1:])
+                logits, abstract["last_tokens"], knobs, part[0], abstract["token_counts"], bitmask, *part[1:])
         model_args = (abstract["params"], abstract["caches"])
         if program == EXTEND_HIDDEN:
             return self.programs[program], (*model_args, self.example(StepKind.EXTEND, n)[0])

@@ -2,7 +2,12 @@
 
 import dataclasses
 import enum
+import logging
 import math
+
+from jaxmodels.engine.grammar import GrammarSpec, GrammarViolation
+
+log = logging.getLogger("jaxmodels.engine")
 
 
 # Top logprobs a token can come with (OpenAI's limit).
@@ -21,7 +26,11 @@ class SamplingParams:
     `frequency_penalty` and `presence_penalty` (subtracted from a token's logit, times its count in the output so
     far, and once if it is there at all), then temperature, top-k and top-p. `logprobs` k: each output token comes
     with its log probability and the k most likely tokens' under the distribution after the penalties and the
-    temperature, before top-k and top-p (a greedy request's: at temperature 1)."""
+    temperature, before top-k and top-p (a greedy request's: at temperature 1). `structured_output` (a
+    GrammarSpec: a JSON schema, any JSON object, a regex, a grammar or a choice of strings) keeps the output inside
+    it: the tokens it does not allow next are set to -inf after the penalties (logprobs are then those of the
+    tokens it allows), and the request stops ("stop") as soon as the output is complete and nothing else may
+    follow (engine.grammar)."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
@@ -36,6 +45,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: none; k: the drawn token's and the k most likely ones'
+    structured_output: GrammarSpec | None = None
 
     @property
     def penalized(self) -> bool:
@@ -45,7 +55,8 @@ class SamplingParams:
     @property
     def adjusted(self) -> bool:
         """Whether it needs the sampler that adjusts logits and reports logprobs (engine.sampler.sample_adjusted)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.logprobs is not None
+        return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.logprobs is not None
+                or self.structured_output is not None)
 
     def problems(self) -> list[str]:
         """What is wrong with these values (empty when nothing is)."""
@@ -89,6 +100,8 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             out.append(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, GrammarSpec):
+            out.append(f"structured_output must be a GrammarSpec, got {type(self.structured_output).__name__}")
         return out
 
 
@@ -148,6 +161,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # With params.logprobs: per output token (its log probability, [(token id, log probability)] of the most likely).
     logprobs: list = dataclasses.field(default_factory=list)
+    # With params.structured_output: its engine.grammar.GrammarMatcher, which has accepted every output token.
+    grammar: object = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt) + list(self.output)
@@ -180,6 +195,14 @@ class Request:
         # (Before min_tokens, the sampler never draws a stop token: it holds them at -inf.)
         if token in self.params.stop_token_ids or (token in self.eos_ids and not self.params.ignore_eos):
             return "stop"
+        if self.grammar is not None:
+            try:
+                self.grammar.accept(token)
+            except GrammarViolation as error:  # the step's mask should have made this impossible
+                log.error("request %d drew a token its structured output does not allow: %s", self.request_id, error)
+                return "abort"
+            if self.grammar.is_finished():  # only EOS could follow: stop without drawing it
+                return "stop"
         if len(self.output) >= self.params.max_new_tokens or len(self.token_ids) >= max_seq_len:
             return "length"
         return None

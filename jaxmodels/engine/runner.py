@@ -34,6 +34,7 @@ layouts `record_tp_specs` puts on the step's params): XLA cannot split a custom 
 """
 
 import concurrent.futures
+import dataclasses
 import logging
 
 import jax
@@ -45,6 +46,7 @@ from jaxmodels.engine import sampler
 from jaxmodels.engine.batch import (adjust_knobs, decode_batch, extend_adjust_knobs, extend_batch, next_tokens,
                                     verify_batch)
 from jaxmodels.engine.cache import allocate_caches
+from jaxmodels.engine.grammar import bitmask_words
 from jaxmodels.engine.programs import (ADJUSTED, ADJUSTED_GREEDY, DRAFT, EXTEND_HIDDEN, SAMPLERS, StepPrograms,
                                        concat_groups)
 from jaxmodels.engine.request import MAX_LOGPROBS
@@ -113,14 +115,25 @@ def _sampler_fn(mode: str):
 def _adjusted_sampler_fn(mode: str, *, extend: bool):
     """The sampler of steps with adjusted or logprob-reporting requests (sampler.sample_adjusted); an extend step's
     first records its penalized requests' tokens."""
-    def run(logits, last_tokens, knobs, adjust, counts, record=None):
+    def run(logits, last_tokens, knobs, adjust, counts, bitmask, record=None):
         if extend:
             counts = sampler.record_tokens(counts, record)
-        tokens, *logprobs, counts = sampler.sample_adjusted(logits, knobs, adjust, counts,
+        tokens, *logprobs, counts = sampler.sample_adjusted(logits, knobs, adjust, counts, bitmask,
                                                             greedy_only=mode == ADJUSTED_GREEDY, top=MAX_LOGPROBS)
         return (tokens, *logprobs), last_tokens.at[knobs.slot_ids].set(tokens), counts
 
     return run
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedStep:
+    """A step's device half (`run(*args)`: transfers and executables) with its batches built; `rows` per group of
+    its results; `adjusted`: it runs the adjusting sampler (which a structured-output bitmask constrains)."""
+
+    run: object
+    args: tuple
+    rows: int
+    adjusted: bool = False
 
 
 def _by_groups(shapes: list, dp: int) -> list:
@@ -163,6 +176,7 @@ class Runner:
         self.token_counts = sampler.TokenCounts.zeros(self.dp * sizes.num_slots if not self.speculative else self.dp,
                                                       step.config.vocab_size)
         self.record_size = max(prefill_sizes)
+        self._open_masks = {}  # rows -> a device bitmask allowing every token (_open_mask)
         self._to_devices = lambda tree: tree  # numpy batches go to the executables as they are
         self._mesh = mesh
         if mesh is None:
@@ -176,9 +190,9 @@ class Runner:
         programs = {mode: self._jit(_sampler_fn(mode), ("rows",) * 3, ("rows",) * 2, donate=(1,))
                     for mode in SAMPLERS}
         for mode in ADJUSTED:
-            programs[mode] = self._jit(_adjusted_sampler_fn(mode, extend=False), ("rows",) * 5, ("rows",) * 3,
+            programs[mode] = self._jit(_adjusted_sampler_fn(mode, extend=False), ("rows",) * 6, ("rows",) * 3,
                                        donate=(1, 4))
-            programs["extend", mode] = self._jit(_adjusted_sampler_fn(mode, extend=True), ("rows",) * 6,
+            programs["extend", mode] = self._jit(_adjusted_sampler_fn(mode, extend=True), ("rows",) * 7,
                                                  ("rows",) * 3, donate=(1, 4))
         if self.speculative:
             programs[EXTEND_HIDDEN] = self._jit(_extend_hidden_fn(step, names, dp_axis), model_in + ("rows",),
@@ -256,23 +270,37 @@ class Runner:
             logits, self.last_tokens, knobs)
         return tokens
 
-    def _sample_adjusted(self, kind, logits, knobs, adjust, record):
+    def _sample_adjusted(self, kind, logits, knobs, adjust, record, bitmask):
         """Send the adjusting sampler (an extend step's records its penalized tokens first); -> (tokens, their
-        logprobs, the top tokens, their logprobs) as device arrays."""
+        logprobs, the top tokens, their logprobs) as device arrays. `bitmask`: the rows' allowed tokens (a
+        future of them while the host computes them, or None: every token allowed)."""
         mode = ADJUSTED_GREEDY if knobs.greedy else ADJUSTED[1]
         extend = kind is StepKind.EXTEND
-        job = ("sampler", logits.shape[0] // self.dp, *(("extend",) if extend else ()), mode)
+        rows = logits.shape[0] // self.dp
+        job = ("sampler", rows, *(("extend",) if extend else ()), mode)
+        if isinstance(bitmask, concurrent.futures.Future):
+            # The forward is on its way: the engine computes the masks meanwhile (they need the previous step's
+            # tokens on the host).
+            bitmask = bitmask.result()
+        bitmask = self._open_mask(rows) if bitmask is None else self._to_devices(bitmask)
         results, self.last_tokens, self.token_counts = self._executable(job)(
-            logits, self.last_tokens, knobs, adjust, self.token_counts, *((record,) if extend else ()))
+            logits, self.last_tokens, knobs, adjust, self.token_counts, bitmask, *((record,) if extend else ()))
         return results
 
-    def _run(self, kind, n, batch, knobs, adjust=None, record=None):
+    def _open_mask(self, rows: int):
+        """A device bitmask of `rows` rows per group that allows every token (kept: built once per size)."""
+        if rows not in self._open_masks:
+            mask = np.full((self.dp * rows, bitmask_words(self.step.config.vocab_size)), -1, np.int32)
+            self._open_masks[rows] = self._to_devices(mask) if self._mesh is not None else jnp.asarray(mask)
+        return self._open_masks[rows]
+
+    def _run(self, kind, n, batch, knobs, adjust=None, record=None, bitmask=None):
         """Send one step (forward, then sampler) to the device; returns its sampled tokens as a device array, not
-        waited for (with `adjust`: the adjusting sampler's tokens and logprobs)."""
+        waited for (with `adjust`: the adjusting sampler's tokens and logprobs, drawn under `bitmask`)."""
         batch, knobs, adjust, record = self._to_devices((batch, knobs, adjust, record))
         logits, self.caches = self._executable((kind, n))(self.params, self.caches, self.last_tokens, batch)
         if adjust is not None:
-            return self._sample_adjusted(kind, logits, knobs, adjust, record)
+            return self._sample_adjusted(kind, logits, knobs, adjust, record, bitmask)
         return self._sample(logits, knobs)
 
     def _run_extend_and_draft(self, n, batch, knobs, following):
@@ -291,12 +319,12 @@ class Runner:
             self.params, self.caches, self.last_tokens, self.drafts, batch, knobs)
         return result
 
-    def _send(self, device_half, *args):
-        """`device_half(*args)` (a step's transfers and executables): on the launch thread, as a future of its
-        result, or here."""
+    def _send(self, device_half, *args, **kwargs):
+        """`device_half(*args, **kwargs)` (a step's transfers and executables): on the launch thread, as a future of
+        its result, or here."""
         if self._launcher is None:
-            return device_half(*args)
-        return self._launcher.submit(device_half, *args)
+            return device_half(*args, **kwargs)
+        return self._launcher.submit(device_half, *args, **kwargs)
 
     def block_until_ready(self) -> None:
         """Wait until every step sent so far has been launched (on the launch thread, if any) and has run."""
@@ -321,22 +349,45 @@ class Runner:
         its slot tables) -> (its results as a device array, not waited for, or with a launch thread a future of
         it; with rows per group: the sampled token of each chunk or request, or for VERIFY the k+1 tokens and the
         number of drafts accepted). Read them with `read`."""
+        step = self.prepare(kind, works, tables)
+        return self.send(step), step.rows
+
+    def prepare(self, kind: StepKind, works: list, tables: list) -> PreparedStep:
+        """A step's batches, built on this thread (see launch), ready to `send`."""
         if kind is StepKind.EXTEND:
             tokens = max(sum(chunk.length for chunk in chunks) for chunks in works)
             n = self.programs.bucket(StepKind.EXTEND, tokens)
             parts = [extend_batch(chunks, n, self.max_seqs, t, self.state_copies) for chunks, t in zip(works, tables)]
             if self.speculative:
                 following = np.concatenate([next_tokens(chunks, n) for chunks in works])
-                return self._send(self._run_extend_and_draft, n, *concat_groups(parts), following), self.max_seqs
-            if any(chunk.request.params.adjusted for chunks in works for chunk in chunks):
+                return PreparedStep(self._run_extend_and_draft, (n, *concat_groups(parts), following), self.max_seqs)
+            adjusted = any(chunk.request.params.adjusted for chunks in works for chunk in chunks)
+            if adjusted:
                 parts = [(*part, *extend_adjust_knobs(chunks, self.max_seqs, t, self.record_size))
                          for part, chunks, t in zip(parts, works, tables)]
-            return self._send(self._run, kind, n, *concat_groups(parts)), self.max_seqs
+            return PreparedStep(self._run, (kind, n, *concat_groups(parts)), self.max_seqs, adjusted)
         n = self.programs.bucket(StepKind.DECODE, max(map(len, works)))
         if kind is StepKind.VERIFY:
             parts = [verify_batch(r, n, t) for r, t in zip(works, tables)]
-            return self._send(self._run_verify, n, *concat_groups(parts)), n
+            return PreparedStep(self._run_verify, (n, *concat_groups(parts)), n)
         parts = [decode_batch(r, n, t) for r, t in zip(works, tables)]
-        if any(t.adjusted[part[0].slot_ids].any() for part, t in zip(parts, tables)):
+        adjusted = any(t.adjusted[part[0].slot_ids].any() for part, t in zip(parts, tables))
+        if adjusted:
             parts = [(*part, adjust_knobs(t, part[0].slot_ids, part[0].slot_ids > 0)) for part, t in zip(parts, tables)]
-        return self._send(self._run, kind, n, *concat_groups(parts)), n
+        return PreparedStep(self._run, (kind, n, *concat_groups(parts)), n, adjusted)
+
+    def send(self, step: PreparedStep, bitmask=None):
+        """Send a prepared step -> its results, as `launch` returns them. `bitmask` (an adjusted step's only): the
+        tokens each row may draw, int32[groups * rows, words] or a Future of it that the caller completes; with
+        a launch thread the step's forward is launched before the mask is waited for, without one the Future must
+        be done already (this thread launches)."""
+        if bitmask is not None:
+            if not step.adjusted:
+                raise ValueError("a bitmask constrains the adjusting sampler's steps only")
+            return self._send(step.run, *step.args, bitmask=bitmask)
+        return self._send(step.run, *step.args)
+
+    @property
+    def launches_in_background(self) -> bool:
+        """Whether steps are launched from a thread of their own (see the module docstring)."""
+        return self._launcher is not None

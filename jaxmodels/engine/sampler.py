@@ -9,7 +9,8 @@ vocabulary serves top-k and top-p, which costs real time at 100k+ tokens). The e
 from the batch's temperatures. Choosing on the device with an XLA conditional would stall the GPU engine: a
 conditional copies its predicate to the host and waits for it, blocking the thread that launches steps.
 
-A step with a request that adjusts its logits (penalties, logit_bias, min_tokens) or asks for logprobs runs
+A step with a request that adjusts its logits (penalties, logit_bias, min_tokens), constrains its output to a
+grammar (a bitmask of the tokens allowed next, computed on the host: engine.grammar) or asks for logprobs runs
 `sample_adjusted` instead (greedy or not, again chosen on the host), which also returns the logprobs. Penalties need
 each request's counts of the tokens it has seen, which the device keeps per slot (`TokenCounts`): prompt tokens
 (`record_tokens`, as an extend step computes them) and output tokens (as they are drawn). A penalized request is
@@ -109,11 +110,21 @@ def adjust_logits(logits, slot_ids, step, adjust, counts: TokenCounts):
             - adjust.presence[:, None] * drawn.astype(logits.dtype))
 
 
-def sample_adjusted(logits, knobs, adjust, counts: TokenCounts, *, greedy_only: bool, top: int):
-    """The sampler of a step with adjusted or logprob-reporting requests: -> (tokens int32[R], each token's log
-    probability [R], the `top` most likely tokens int32[R, top] and their log probabilities [R, top], counts with
-    the counted rows' tokens added). `greedy_only`: every row is greedy (no sort of the vocabulary)."""
+def allowed_tokens(bitmask, vocab_size: int):
+    """int32[R, W] bitmasks (token i allowed: bit i % 32 of word i // 32, as engine.grammar writes them) ->
+    bool[R, vocab_size]."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # an arithmetic shift: & 1 keeps bit k
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
+def sample_adjusted(logits, knobs, adjust, counts: TokenCounts, bitmask, *, greedy_only: bool, top: int):
+    """The sampler of a step with adjusted, constrained or logprob-reporting requests: -> (tokens int32[R], each
+    token's log probability [R], the `top` most likely tokens int32[R, top] and their log probabilities [R, top],
+    counts with the counted rows' tokens added). `bitmask` int32[R, ceil(V / 32)]: the tokens each row may draw
+    (structured output; -1, every bit set, for a row without). `greedy_only`: every row is greedy (no sort of the
+    vocabulary)."""
     adjusted = adjust_logits(logits, knobs.slot_ids, knobs.step, adjust, counts)
+    adjusted = jnp.where(allowed_tokens(bitmask, logits.shape[-1]), adjusted, -jnp.inf)
     if greedy_only:
         tokens = greedy(adjusted)
     else:

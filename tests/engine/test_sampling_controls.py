@@ -20,6 +20,7 @@ from tests.engine.test_llm import random_prompts
 from tests.hf_models import make_nemotron_h, save
 
 V = 50
+OPEN_MASK = jnp.full((3, 2), -1, jnp.int32)  # 3 rows of 64 bits: every token allowed
 
 
 def reference_adjust(logits, *, prompt, output, presence=0.0, frequency=0.0, repetition=1.0, bias=None,
@@ -91,7 +92,7 @@ def test_adjusted_logits_and_logprobs_follow_the_definitions():
         row_knobs = knobs.__class__(**{**knobs.__dict__, "temperature": temperature})
         tokens, chosen, top_ids, top_logprobs, after = jax.jit(
             sampler.sample_adjusted, static_argnames=("greedy_only", "top"))(
-            jnp.asarray(logits), row_knobs, adjust, counts, greedy_only=greedy_only, top=5)
+            jnp.asarray(logits), row_knobs, adjust, counts, OPEN_MASK, greedy_only=greedy_only, top=5)
         scale = np.where(temperature > 0, temperature, 1.0)[:, None]
         shifted = expected / scale
         reference = shifted - np.log(np.exp(shifted - shifted.max(-1, keepdims=True)).sum(-1, keepdims=True)) \

@@ -21,14 +21,14 @@ before temperature, top-k/top-p and sampling, as apply_bitmask does.
 
 Costs measured on the development machine (a shared 2-core x86 CPU, llguidance 1.9.1) with a byte-level BPE
 tokenizer of 128,000 tokens (trained on Python sources and docs) and a model vocabulary of 128,256, over random walks
-(uniform among the allowed tokens) through the schemas, regex and Lark grammar of tests/serve/test_grammar.py:
+(uniform among the allowed tokens) through the schemas, regex and Lark grammar of tests/engine/test_grammar.py:
     next_mask            p50 15-70 us, p90 30-170 us, p99 0.1-2 ms, worst seen ~6 ms
     first mask           50-300 us
     accept               5-10 us
     matcher from cache   10-30 us (a copy of the compiled template)
     compile (cache miss) 0.6-2 ms for these schemas
     GrammarCompiler      ~1 s (llguidance indexes the 128k vocabulary): once per served model, off the event loop
-`pytest -s tests/serve/test_grammar.py` prints next_mask's cost for the tests' small vocabulary.
+`pytest -s tests/engine/test_grammar.py` prints next_mask's cost for the tests' small vocabulary.
 """
 
 import dataclasses
@@ -334,7 +334,8 @@ def fill_next_masks(compiler: GrammarCompiler, matchers: list[tuple[GrammarMatch
     rows = [row for _, row in matchers]
     if len(set(rows)) != len(rows) or any(not 0 <= row < bitmask.shape[0] for row in rows):
         raise ValueError(f"matcher rows must be distinct rows of the {bitmask.shape[0]}-row bitmask: {rows}")
-    fill_next_token_bitmask_par(compiler.executor(), [(m._matcher, row) for m, row in matchers], bitmask)
+    if matchers:  # (llguidance refuses an empty batch)
+        fill_next_token_bitmask_par(compiler.executor(), [(m._matcher, row) for m, row in matchers], bitmask)
 
 
 def _check_bitmask(bitmask: np.ndarray, vocab_size: int) -> None:

@@ -1,4 +1,4 @@
-"""Structured output's host side (jaxmodels.serve.grammar): random walks under the masks produce outputs that a
+"""Structured output's host side (jaxmodels.engine.grammar): random walks under the masks produce outputs that a
 separate checker accepts (jsonschema, re.fullmatch, Python's own parser), padded and special ids are never allowed,
 invalid specs are ValueErrors that say what is wrong, and equal specs share one compiled grammar."""
 
@@ -15,7 +15,7 @@ llguidance = pytest.importorskip("llguidance")  # the GPU machine may lack the [
 jsonschema = pytest.importorskip("jsonschema")
 
 from tests.serve.checkpoint import byte_level_tokenizer  # noqa: E402
-from jaxmodels.serve.grammar import (GrammarCompiler, GrammarSpec, GrammarViolation, allowed_token_mask,  # noqa: E402
+from jaxmodels.engine.grammar import (GrammarCompiler, GrammarSpec, GrammarViolation, allowed_token_mask,  # noqa: E402
                                      apply_bitmask, fill_next_masks)
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<|user|>", "<|assistant|>"]  # ids 0-3
