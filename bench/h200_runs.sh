@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models ...
+# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_profile|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,6 +24,15 @@ switch_bench() {  # decode_profile with the switch $1 on, then off (logs under $
 for what in "$@"; do
   echo "=== $what $(date -u +%T)"
   case $what in
+    # Structured output's packages if the machine lacks them (wheels carried in .whl/), then the sampler variants'
+    # decode cost at B=64/256 (the JSON schema's masks for the 128k-token tokenizer carried in bench/.cache/) and
+    # the engine tests of structured output and the sampling controls.
+    structured) python3 -c "import llguidance, jsonschema" 2>/dev/null || pip install -q --no-index --find-links .whl llguidance jsonschema 2>&1 | tail -2
+      timeout 420 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano9b.json --phases decode \
+        --batches 64,256 --decode-steps 64 --sampling plain,logprobs,penalties,json \
+        --tokenizer bench/.cache/tokenizer_128k.json --json "$OUT/structured.json" > "$OUT/structured.log" 2>&1
+      echo "exit $?"; grep -B2 -A12 "| B |" "$OUT/structured.log" | head -30 ;;
+    structured_tests) OUT="$OUT/structured_tests" GPU_CHECK_TESTS="tests/engine/test_structured_output.py tests/engine/test_sampling_controls.py tests/engine/test_grammar.py tests/engine/test_llm.py" bash bench/gpu_check.sh tests 2>&1 | tail -5 ;;
     suite) OUT=$OUT bash bench/gpu_check.sh tests > "$OUT/suite_stdout.log" 2>&1; tail -25 "$OUT/gpu_tests.log"; cat "$OUT/summary.txt" ;;
     kernel_checks) OUT="$OUT/kernel_checks" bash bench/gpu_check.sh checks 2>&1 | grep -i "check\|FAIL" | tail -40 ;;
     # The suite in two calls of about 5 minutes each (whole, it took 596 s of a call's 600 on 2026-12-01).

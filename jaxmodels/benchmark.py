@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from jaxmodels.benchmark_floors import decode_floor_s, model_costs, prefill_floor_s
+from jaxmodels.engine.grammar import GrammarSpec
 from jaxmodels.step_context import StepKind
 
 # DeepSeek-V3.2's published quantization_config: e4m3 weights with one scale per 128 x 128 block, activations
@@ -154,10 +155,20 @@ def run_engine(engine, arrivals, on_arrival=None, on_token=None, progress=None) 
     return log
 
 
-# The decode phase's request kinds (`--sampling`), all greedy: plain, with logprobs, with every penalty. The
-# adjusting sampler serves the last two (engine.sampler.sample_adjusted).
+# A JSON schema of the kind agents ask for (records of typed fields), with more required items than a decode phase
+# draws tokens: no request completes it and leaves the batch early.
+BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "additionalProperties": False, "required": ["id", "name", "email", "tags", "active"],
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
+                   "email": {"type": "string"}, "active": {"type": "boolean"},
+                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}}}}
+
+# The decode phase's request kinds (`--sampling`), all greedy: plain, with logprobs, with every penalty, under a
+# JSON schema (its masks computed on the host each step, which needs a tokenizer: --tokenizer). The adjusting
+# sampler serves all but the first (engine.sampler.sample_adjusted).
 SAMPLING_VARIANTS = {"plain": {}, "logprobs": dict(logprobs=5),
-                     "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)}
+                     "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+                     "json": dict(structured_output=GrammarSpec.json_schema(BENCH_SCHEMA))}
 
 
 def decode_phase(llm, costs, batch: int, prompt_len: int, steps: int, vocab: int, rng, sampling: str = "plain"
@@ -324,7 +335,9 @@ def parse_args(argv, prog):
     parser.add_argument("--sampling", default="plain", type=lambda s: s.split(","),
                         help=f"the decode phase's requests, comma-separated, each at every batch size: "
                         f"{', '.join(SAMPLING_VARIANTS)} (greedy, logprobs=5, presence/frequency 0.5 and repetition "
-                        "1.1)")
+                        "1.1, a JSON schema: BENCH_SCHEMA, needs --tokenizer)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer.json for the random model (structured output "
+                        "compiles its grammars for it; its vocabulary at most the config's)")
     parser.add_argument("--prefill-len", type=int, default=4096)
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per extend step")
     parser.add_argument("--serve", type=int, default=256, help="requests in the serving run")
@@ -387,6 +400,8 @@ def main(argv=None, prog: str | None = None) -> None:
     phases = set(args.phases.split(","))
     if set(args.sampling) - set(SAMPLING_VARIANTS):
         raise SystemExit(f"--sampling takes {', '.join(SAMPLING_VARIANTS)}; got {','.join(args.sampling)}")
+    if "json" in args.sampling and args.tokenizer is None:
+        raise SystemExit("--sampling json needs --tokenizer (structured output compiles its grammar for one)")
     with open(args.config) as f:
         raw = cut_layers(json.load(f), args.layers)
     if args.fp8_block:
@@ -407,7 +422,7 @@ def main(argv=None, prog: str | None = None) -> None:
     start = time.perf_counter()
     llm = jaxmodels.LLM(None, model=model, dtype=args.dtype, overlap=not args.no_overlap, dp=args.dp, tp=args.tp,
                         launch_thread=args.launch_thread, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                        enable_prefix_caching=not args.no_prefix_caching,
+                        enable_prefix_caching=not args.no_prefix_caching, tokenizer=args.tokenizer,
                         progress=not args.no_progress, compilation_cache_dir=args.compilation_cache,
                         **engine_limits(args, phases))
     del model  # on a mesh the engine holds the sharded copy; the one-device weights must not stay beside it

@@ -43,6 +43,20 @@ def load_tokenizer(path):
     return Tokenizer.from_file(file)
 
 
+def _tokenizer(tokenizer):
+    """LLM's `tokenizer` argument -> a tokenizers.Tokenizer."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    if os.path.isdir(tokenizer):
+        found = load_tokenizer(tokenizer)
+        if found is None:
+            raise FileNotFoundError(f"no tokenizer.json in {tokenizer}")
+        return found
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.fspath(tokenizer))
+
+
 class LLM:
     def __init__(self, path, dtype="bfloat16", max_batch_size: int = 64, max_seq_len: int | None = None, dp: int = 1,
                  tp: int = 1, *, max_prefill_tokens: int | None = None, page_size: int = 16,
@@ -52,7 +66,7 @@ class LLM:
                  mamba_ssm_cache_dtype: str | None = None, num_speculative_tokens: int = 0,
                  quantization: str | None = None, compilation_cache_dir: str | None = None,
                  launch_thread: bool | None = None, enable_prefix_caching: bool = True,
-                 mamba_cache_slots: int | None = None):
+                 mamba_cache_slots: int | None = None, tokenizer=None):
         """Load `path` (an HF checkpoint directory, or `model=` an already built model) and start the engine.
 
         `dtype` is the weights' and activations' dtype and the compute precision (float32 means full float32
@@ -80,6 +94,9 @@ class LLM:
         what follows them; a hybrid model also keeps recurrent-state snapshots (`mamba_cache_slots` per dp group,
         default 1.25 x max_batch_size / dp). `metrics()` reports `prompt_tokens` and `prefix_cache_hit_tokens`
         (jaxmodels.engine.prefix_cache).
+        `tokenizer`: a tokenizer.json file (or a directory holding one, or a `tokenizers.Tokenizer`) to use instead
+        of the checkpoint's (with `model=`, the only way to give one); text prompts, and structured output's
+        grammars, go through it.
         The other options are the engine's (see jaxmodels.engine.engine.Engine). `self.model` is the model served,
         None when dp * tp > 1 (its params then live sharded in the engine only).
         """
@@ -96,7 +113,8 @@ class LLM:
                                                            matmul_precision=matmul_precision,
                                                            load_mtp=num_speculative_tokens > 0,
                                                            quantization=quantization)
-        self.tokenizer = load_tokenizer(path) if path is not None else None
+        self.tokenizer = _tokenizer(tokenizer) if tokenizer is not None else \
+            load_tokenizer(path) if path is not None else None
         self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              max_prefill_tokens=max_prefill_tokens, page_size=page_size, num_pages=num_pages,
                              warmup=warmup, progress=progress, started=started, prefill_sizes=prefill_sizes,

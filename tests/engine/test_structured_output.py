@@ -135,3 +135,23 @@ def test_structured_output_refusals(llm, checkpoint):
     model_only = jaxmodels.LLM(None, model=llm.model, **LIMITS, warmup=False)
     with pytest.raises(InvalidRequest, match="needs the model's tokenizer"):
         model_only.engine.add_request([5, 6], SamplingParams(structured_output=GrammarSpec.json_object()))
+
+
+def test_the_benchmark_measures_decoding_under_a_json_schema(tmp_path, capsys):
+    """`--sampling json`: every request of the decode phase stays constrained (BENCH_SCHEMA cannot complete in
+    the phase's steps), with a tokenizer given for the random model."""
+    from jaxmodels.__main__ import main
+    from tests.jaxmodels.test_benchmark import TINY
+    from tests.serve.checkpoint import byte_level_tokenizer
+
+    config, tokenizer, results = tmp_path / "config.json", tmp_path / "tokenizer.json", tmp_path / "results.json"
+    config.write_text(json.dumps({**TINY, "vocab_size": 512, "eos_token_id": 1}))
+    byte_level_tokenizer(vocab_size=400).save(str(tokenizer))
+    main(["bench", "--config", str(config), "--layers", "2", "--phases", "decode", "--batches", "3",
+          "--prompt-len", "8", "--decode-steps", "6", "--dtype", "float32", "--no-progress", "--json", str(results),
+          "--sampling", "plain,json", "--tokenizer", str(tokenizer)])
+    rows = json.loads(results.read_text())["decode"]
+    assert [(row["batch"], row["sampling"]) for row in rows] == [(3, "plain"), (3, "json")]
+    assert all(row["step_ms"] > 0 for row in rows)
+    with pytest.raises(SystemExit, match="needs --tokenizer"):
+        main(["bench", "--config", str(config), "--phases", "decode", "--sampling", "json", "--no-progress"])
