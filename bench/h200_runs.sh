@@ -28,7 +28,7 @@ for what in "$@"; do
     # decode cost at B=64/256 (the JSON schema's masks for the 128k-token tokenizer carried in bench/.cache/) and
     # the engine tests of structured output and the sampling controls.
     structured) for package in llguidance jsonschema; do
-        python3 -c "import $package" 2>/dev/null || pip install -q --no-index --find-links .whl "$package" 2>&1 | tail -2
+        python3 -c "import $package" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl "$package" 2>&1 | tail -2
       done
       timeout 420 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano9b.json --phases decode \
         --batches 64,256 --decode-steps 64 --sampling plain,logprobs,penalties,json \
