@@ -171,6 +171,17 @@ SAMPLING_VARIANTS = {"plain": {}, "logprobs": dict(logprobs=5),
                      "json": dict(structured_output=GrammarSpec.json_schema(BENCH_SCHEMA))}
 
 
+def eos_of_tokenizer(path: str) -> int:
+    """The id of `</s>` in a tokenizer.json: the EOS of a shapes-only config (bench/configs name none), which
+    structured output's grammars end with."""
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(path).token_to_id("</s>")
+    if eos is None:
+        raise SystemExit(f"the config names no eos_token_id and {path} has no </s> token to take as EOS")
+    return eos
+
+
 def decode_phase(llm, costs, batch: int, prompt_len: int, steps: int, vocab: int, rng, sampling: str = "plain"
                  ) -> dict:
     from jaxmodels import SamplingParams
@@ -406,6 +417,8 @@ def main(argv=None, prog: str | None = None) -> None:
         raw = cut_layers(json.load(f), args.layers)
     if args.fp8_block:
         raw["quantization_config"] = FP8_BLOCK_QUANTIZATION
+    if args.tokenizer is not None and not raw.get("eos_token_id"):
+        raw["eos_token_id"] = eos_of_tokenizer(args.tokenizer)
     weights = "fp8-block" if args.fp8_block else args.dtype
     results = {"config": args.config, "layers": args.layers or "all", "dtype": args.dtype, "weights": weights,
                "prefix_caching": not args.no_prefix_caching}
