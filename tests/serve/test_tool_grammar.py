@@ -1,0 +1,69 @@
+"""Tool-call grammars (jaxmodels.serve.tool_grammar): random walks under each family's grammar always give text
+that the family's own tool-call parser reads into calls of the given tools, whose arguments validate against the
+tools' parameter schemas; one call only where parallel calls are off."""
+
+import json
+
+import pytest
+
+llguidance = pytest.importorskip("llguidance")  # the GPU machine may lack the [serve] extra's packages
+jsonschema = pytest.importorskip("jsonschema")
+
+from jaxmodels.serve.tool_calls import TOOL_CALL_PARSERS  # noqa: E402
+from jaxmodels.serve.tool_grammar import FORMATS, tool_call_grammar  # noqa: E402
+from tests.engine.test_grammar import compiler, random_walk, tokenizer  # noqa: E402,F401  (fixtures)
+
+# Bounded values (maxLength, enums, maxItems): a random walk ends within its token budget.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "days"],
+        "properties": {"city": {"type": "string", "maxLength": 8},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                       "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}},
+    {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["guests"],
+        "properties": {"guests": {"type": "array", "items": {"type": "object", "additionalProperties": False,
+                                                             "properties": {"name": {"type": "string",
+                                                                                     "maxLength": 5}},
+                                                             "required": ["name"]},
+                                  "minItems": 1, "maxItems": 2},
+                       "vip": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 4}}}}},
+    {"type": "function", "function": {"name": "ping"}},  # no parameters at all
+]
+
+
+def parameters_of(name: str) -> dict:
+    function = next(t["function"] for t in TOOLS if t["function"]["name"] == name)
+    return function.get("parameters") or {"type": "object", "additionalProperties": False}
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_random_calls_parse_and_validate(compiler, tokenizer, format_name, parallel):  # noqa: F811
+    spec = tool_call_grammar(format_name, TOOLS, parallel=parallel, tokenizer=tokenizer,
+                             json_options=compiler.json_options)
+    seen = set()
+    for seed in range(12):
+        text = random_walk(compiler, tokenizer, spec, seed, eos_probability=0.7)
+        content, calls = TOOL_CALL_PARSERS[format_name](tools=TOOLS, seed=0).parse(text)
+        assert content == "" and calls, (format_name, text)
+        assert parallel or len(calls) == 1
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), parameters_of(call["name"]))
+            seen.add(call["name"])
+    assert len(seen) >= 2  # the walks reach several of the tools
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+def test_a_named_function_is_the_only_one_called(compiler, tokenizer, format_name):  # noqa: F811
+    spec = tool_call_grammar(format_name, [TOOLS[1]], tokenizer=tokenizer, json_options=compiler.json_options)
+    for seed in range(4):
+        _, calls = TOOL_CALL_PARSERS[format_name](tools=TOOLS).parse(random_walk(compiler, tokenizer, spec, seed))
+        assert {call["name"] for call in calls} == {"book"}
+
+
+def test_unknown_formats_and_no_tools_are_refused():
+    with pytest.raises(ValueError, match="no tool-call grammar"):
+        tool_call_grammar("llama", TOOLS)
+    with pytest.raises(ValueError, match="at least one tool"):
+        tool_call_grammar("glm5", [])
