@@ -1,4 +1,4 @@
-"""The grammar of a tool call in each family's format: what `tool_choice` "required" or a named function constrains
+"""Grammars the server builds: a tool call in each family's format: what `tool_choice` "required" or a named function constrains
 the output to, so that it always parses into calls whose arguments follow the tools' parameter schemas.
 
 Each grammar is Lark for llguidance (engine.grammar), written from the formats jaxmodels.serve.tool_calls reads (see
@@ -15,11 +15,15 @@ Arguments come in the order of the schema's `properties`: the required ones alwa
 A string-typed value is raw text (with a `maxLength` bound and an `enum` or `const` kept; `pattern` and `format`
 are not enforced there), that cannot contain the element's end tag; any other value is JSON under its own schema
 (llguidance's `%json`). A tag that is one special token of the tokenizer may be written as that token or as text.
+
+Where the chat prompt leaves a think block open (reasoning on), the output starts with free reasoning up to the end
+tag, and the constraint (a tool call, or a response_format) applies after it (`after_reasoning`).
 """
 
 import json
+import re
 
-from jaxmodels.engine.grammar import GrammarSpec
+from jaxmodels.engine.grammar import GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, GrammarSpec
 from jaxmodels.serve.tool_calls import DSML, declared_type
 
 NEWLINE = "\n"
@@ -28,42 +32,80 @@ FORMATS = ("nemotron", "nemotron3", "deepseek_v32", "glm5")
 
 
 def tool_call_grammar(format_name: str, tools: list[dict], *, parallel: bool = True, tokenizer=None,
-                      json_options: dict | None = None) -> GrammarSpec:
+                      json_options: dict | None = None, reasoning_end: str | None = None) -> GrammarSpec:
     """The grammar of one or more calls (exactly one if not `parallel`) to any of `tools` (OpenAI tool dicts, or
     bare function definitions) in `format_name`'s format. `tokenizer` (a `tokenizers.Tokenizer`): tags that are
-    special tokens in it may be written as those tokens. `json_options`: llguidance's JSON options (whitespace)."""
+    special tokens in it may be written as those tokens. `json_options`: llguidance's JSON options (whitespace).
+    `reasoning_end`: the output starts inside a think block, free text up to this tag (then the calls)."""
     if format_name not in FORMATS:
         raise ValueError(f"no tool-call grammar for the format {format_name!r}: one of {', '.join(FORMATS)}")
     if not tools:
         raise ValueError("a tool-call grammar needs at least one tool")
     functions = [tool.get("function", tool) for tool in tools]
-    builder = _Builder(tokenizer, json_options or {})
+    builder = _Builder(tokenizer, json_options or {}, reasoning_end)
     if format_name == "nemotron":
         return builder.nemotron(functions, parallel)
     return builder.blocks(format_name, functions, parallel)
 
 
+def after_reasoning(spec: GrammarSpec, reasoning_end: str, *, tokenizer=None,
+                    json_options: dict | None = None) -> GrammarSpec:
+    """`spec` for an output that starts inside a think block: free reasoning up to `reasoning_end`, then text under
+    `spec` (the reasoning parser puts the first part in reasoning_content, the rest in content). A client's own
+    grammar (kind "grammar") is returned as it is: it constrains the output from its start."""
+    builder = _Builder(tokenizer, json_options or {}, reasoning_end)
+    if spec.kind == GRAMMAR:
+        return spec
+    if spec.kind == JSON_OBJECT:
+        body = builder.json({"type": "object"})
+    elif spec.kind == JSON_SCHEMA:
+        body = builder.json(json.loads(spec.source))
+    elif spec.kind == REGEX:
+        body = "/" + re.sub(r"(?<!\\)/", r"\/", spec.source) + "/"
+    else:
+        body = " | ".join(_lark_string(option) for option in json.loads(spec.source))
+    builder.rule("body", body)
+    return builder.spec("body")
+
+
 class _Builder:
-    def __init__(self, tokenizer, json_options: dict):
+    def __init__(self, tokenizer, json_options: dict, reasoning_end: str | None = None):
         self.tokenizer = tokenizer
         self.json_options = json_options
+        self.reasoning_end = reasoning_end
         self.rules: list[str] = []
-        self.lexemes: dict[str, str] = {}  # end tag -> the name of the lexeme "raw text, then that end tag"
+        self.lexemes: dict[tuple, tuple[str, str]] = {}  # (end tag, length bound) -> (name, pattern)
 
     def spec(self, start: str) -> GrammarSpec:
+        if self.reasoning_end is not None:
+            start = f"{self.reasoning()} {start}"
         lines = [f"start: {start}", *self.rules]
         lines += [f"{name}: {pattern}" for name, pattern in self.lexemes.values()]
         return GrammarSpec.grammar("\n".join(lines))
 
-    def tag(self, text: str) -> str:
-        """A Lark expression for `text`: the literal, or that or its special token where it is one."""
-        literal = _lark_string(text)
+    def reasoning(self) -> str:
+        """Free text up to the end of the think block, whose tag the model may write as text or as its special
+        token."""
+        raw = self.raw_text_then(self.reasoning_end)
+        token = self.special_token(self.reasoning_end)
+        if token is None:
+            return raw
+        self.lexemes["reasoning", None] = ("REASONING", "/(?s:.*)/")
+        return f"(REASONING <[{token}]> | {raw})"
+
+    def special_token(self, text: str) -> int | None:
+        """The id of the special token that is `text`, if the tokenizer has one."""
         if self.tokenizer is None:
-            return literal
+            return None
         token = self.tokenizer.token_to_id(text)
         special = token is not None and any(t.content == text and t.special
                                             for t in self.tokenizer.get_added_tokens_decoder().values())
-        return f"(<[{token}]> | {literal})" if special else literal
+        return token if special else None
+
+    def tag(self, text: str) -> str:
+        """A Lark expression for `text`: the literal, or that or its special token where it is one."""
+        token = self.special_token(text)
+        return _lark_string(text) if token is None else f"(<[{token}]> | {_lark_string(text)})"
 
     def json(self, schema) -> str:
         if not isinstance(schema, dict):

@@ -58,12 +58,15 @@ def check_mask(mask, tokenizer, compiler):
     return allowed
 
 
-def random_walk(compiler, tokenizer, spec, seed, *, eos_probability=0.5, timings=None):
+def random_walk(compiler, tokenizer, spec, seed, *, eos_probability=0.5, timings=None, prefix=()):
     """Sample uniformly among the allowed tokens until the grammar allows only EOS or, when EOS is allowed, a coin
-    says stop (as a model would); then accept EOS. The decoded text."""
+    says stop (as a model would); then accept EOS. The decoded text. `prefix`: tokens accepted first (part of the
+    text)."""
     rng = np.random.default_rng(seed)
     matcher = compiler.matcher(spec)
-    tokens = []
+    tokens = list(prefix)
+    for token in tokens:
+        matcher.accept(token)
     for _ in range(TOKEN_BUDGET):
         started = time.perf_counter()
         mask = matcher.next_mask()

@@ -1,16 +1,20 @@
-"""Tool-call grammars (jaxmodels.serve.tool_grammar): random walks under each family's grammar always give text
-that the family's own tool-call parser reads into calls of the given tools, whose arguments validate against the
-tools' parameter schemas; one call only where parallel calls are off."""
+"""The server's grammars (jaxmodels.serve.tool_grammar): random walks under each family's tool-call grammar always
+give text that the family's own tool-call parser reads into calls of the given tools, whose arguments validate
+against the tools' parameter schemas (one call only where parallel calls are off); after a think block, the
+constraint holds for the content."""
 
 import json
+import re
 
 import pytest
 
 llguidance = pytest.importorskip("llguidance")  # the GPU machine may lack the [serve] extra's packages
 jsonschema = pytest.importorskip("jsonschema")
 
+from jaxmodels.engine.grammar import GrammarSpec  # noqa: E402
+from jaxmodels.serve.reasoning import ReasoningParser  # noqa: E402
 from jaxmodels.serve.tool_calls import TOOL_CALL_PARSERS  # noqa: E402
-from jaxmodels.serve.tool_grammar import FORMATS, tool_call_grammar  # noqa: E402
+from jaxmodels.serve.tool_grammar import FORMATS, after_reasoning, tool_call_grammar  # noqa: E402
 from tests.engine.test_grammar import compiler, random_walk, tokenizer  # noqa: E402,F401  (fixtures)
 
 # Bounded values (maxLength, enums, maxItems): a random walk ends within its token budget.
@@ -67,3 +71,33 @@ def test_unknown_formats_and_no_tools_are_refused():
         tool_call_grammar("llama", TOOLS)
     with pytest.raises(ValueError, match="at least one tool"):
         tool_call_grammar("glm5", [])
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec.json_schema({"type": "object", "additionalProperties": False,
+                                                           "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}),
+                                  GrammarSpec.regex(r"[ab]{2}/[0-9]"), GrammarSpec.choice(["yes", "no"])])
+def test_reasoning_then_the_constraint(compiler, tokenizer, spec):  # noqa: F811
+    """A think-open prompt: free text up to </think>, then the constrained answer, which the reasoning parser
+    puts in content."""
+    checks = {"json_schema": lambda text: json.loads(text) in ({"n": 1}, {"n": 2}),
+              "regex": lambda text: re.fullmatch(r"[ab]{2}/[0-9]", text), "choice": lambda text: text in ("yes", "no")}
+    wrapped = after_reasoning(spec, "</think>", tokenizer=tokenizer, json_options=compiler.json_options)
+    for seed in range(6):
+        # (A random walk would hardly ever write </think> itself.)
+        thoughts = tokenizer.encode(f"The quick {seed} fox</think>").ids
+        text = random_walk(compiler, tokenizer, wrapped, seed, eos_probability=0.9, prefix=thoughts)
+        reasoning, content = ReasoningParser(think_open=True).split(text)
+        assert reasoning == f"The quick {seed} fox" and checks[spec.kind](content), (reasoning, content)
+
+
+def test_reasoning_may_end_with_the_special_token():
+    """Where </think> is one special token, the reasoning ends with it (as the model writes it) or with its text."""
+    from jaxmodels.engine.grammar import GrammarCompiler
+    from tests.serve.checkpoint import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer(vocab_size=300, special_tokens=["<s>", "</s>", "</think>"])
+    compiler = GrammarCompiler(tokenizer, vocab_size=300, eos_token_ids=[1])
+    matcher = compiler.matcher(after_reasoning(GrammarSpec.choice(["ok"]), "</think>", tokenizer=tokenizer))
+    for token in tokenizer.encode("some thoughts").ids + [2] + tokenizer.encode("ok").ids:
+        matcher.accept(token)
+    assert matcher.is_finished()
