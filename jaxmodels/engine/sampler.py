@@ -124,7 +124,10 @@ def sample_adjusted(logits, knobs, adjust, counts: TokenCounts, bitmask, *, gree
     (structured output; -1, every bit set, for a row without). `greedy_only`: every row is greedy (no sort of the
     vocabulary)."""
     adjusted = adjust_logits(logits, knobs.slot_ids, knobs.step, adjust, counts)
-    adjusted = jnp.where(allowed_tokens(bitmask, logits.shape[-1]), adjusted, -jnp.inf)
+    # An allowed token at -inf (min_tokens holding EOS back where the grammar allows only EOS, or a model's own -inf)
+    # stays drawable below every finite logit: the grammar wins, a row never has nothing to draw.
+    lowest = jnp.finfo(adjusted.dtype).min
+    adjusted = jnp.where(allowed_tokens(bitmask, logits.shape[-1]), jnp.maximum(adjusted, lowest), -jnp.inf)
     if greedy_only:
         tokens = greedy(adjusted)
     else:

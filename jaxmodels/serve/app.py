@@ -24,6 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from jaxmodels.engine.engine import InvalidRequest
+from jaxmodels.engine.grammar import GrammarSpec
 from jaxmodels.serve.chat_template import ChatTemplate, ChatTemplateError
 from jaxmodels.serve.generation import AUTO, Generation, OutputParsers, Rejection
 from jaxmodels.serve.limits import max_prompt_chars
@@ -32,6 +34,7 @@ from jaxmodels.serve.protocol import (APIError, ChatCompletionRequest, Completio
                                       TokenizeRequest, validation_error)
 from jaxmodels.serve.responses import ChatResponses, CompletionResponses, TokenStrings, sse, usage
 from jaxmodels.serve.security import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from jaxmodels.serve.tool_grammar import after_reasoning, tool_call_grammar
 from jaxmodels.serve.worker import EngineWorker
 
 
@@ -185,6 +188,41 @@ class _Server:
                                 f"with num_speculative_tokens > 0); neither are penalties, logit_bias, min_tokens "
                                 f"and logprobs", param=body.adjustments[0])
 
+    async def structured_output(self, body, prompt: ChatPrompt | None = None) -> GrammarSpec | None:
+        """The grammar a request's output is constrained to (response_format, structured_outputs, or a forced tool
+        call in the model's format; after the reasoning where the chat prompt leaves a think block open), compiled
+        off the event loop so that the engine finds it in its cache; APIError 400 naming the field when it cannot
+        be served."""
+        asked = body.structured_output
+        forced = getattr(body, "forced_tools", None)
+        if asked is None and not forced:
+            return None
+        field = "tool_choice" if forced else asked[1]
+        if self.speculative:
+            raise APIError(400, f"{field}: structured output is not supported with speculative decoding (the server "
+                                f"runs with num_speculative_tokens > 0)", param=field)
+        reasoning = self.parsers.reasoning
+        reasoning_end = (reasoning.END_TAG if reasoning is not None and prompt is not None
+                         and reasoning(prompt.text).think_open else None)
+        engine = self.llm.engine
+
+        def build_and_compile():
+            compiler = engine.grammar_compiler  # built on first use (about a second for a 128k vocabulary)
+            if forced:
+                spec = tool_call_grammar(self.parsers.tool_calls.name, forced,
+                                         parallel=body.parallel_tool_calls is not False, tokenizer=self.tokenizer,
+                                         json_options=compiler.json_options, reasoning_end=reasoning_end)
+            else:
+                spec = asked[0] if reasoning_end is None else after_reasoning(
+                    asked[0], reasoning_end, tokenizer=self.tokenizer, json_options=compiler.json_options)
+            compiler.compile(spec)
+            return spec
+
+        try:
+            return await asyncio.to_thread(build_and_compile)
+        except (ValueError, InvalidRequest) as error:
+            raise APIError(400, f"{field}: {error}", param=field) from None
+
     def check_stops(self, stops: list[str]) -> list[str]:
         if stops and self.tokenizer is None:
             raise APIError(400, "stop strings need the model's tokenizer.json; use stop_token_ids", param="stop")
@@ -334,8 +372,9 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
         server.check_adjustments(body)
         prompts = await server.encode_prompts(body.prompt)
         stops = server.check_stops(body.stop_strings)
+        grammar = await server.structured_output(body)
         work = [(prompt, params) for prompt in prompts
-                for params in body.sampling_params(server.max_new_tokens(body.max_tokens, prompt))]
+                for params in body.sampling_params(server.max_new_tokens(body.max_tokens, prompt), grammar)]
         try:
             generation = await server.start(work, stops)
         except Rejection as e:
@@ -358,7 +397,8 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
         prompt = await server.chat_prompt(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         tokens = prompt.tokens
-        work = [(tokens, params) for params in body.sampling_params(server.max_new_tokens(max_tokens, tokens))]
+        grammar = await server.structured_output(body, prompt)
+        work = [(tokens, params) for params in body.sampling_params(server.max_new_tokens(max_tokens, tokens), grammar)]
         generation = await server.start(work, server.check_stops(body.stop_strings),
                                         chat_output=server.chat_output(body, prompt))
         responses = server.chat_responses(body)

@@ -10,9 +10,15 @@ Logprobs: completions take OpenAI's legacy `logprobs` k (an int; up to 20 here, 
 0 is taken as "not used", as it was before logprobs were served. `logit_bias` is OpenAI's object of token id strings
 to numbers.
 
-Tools are OpenAI function tools. `tool_choice` "auto" (the default with tools) and "none" are served; "required" and
-a named function need decoding constrained to a call, which the engine cannot do yet, so they are refused rather
-than answered with a call the model may not make.
+Tools are OpenAI function tools. `tool_choice` "auto" (the default with tools), "none", "required" and a named
+function are served; the last two constrain the output to calls in the model's format (serve.tool_grammar), whose
+arguments follow the tools' schemas. A function's `strict: true` is accepted: forced calls are constrained whatever
+it says, and calls the model chooses to make under "auto" are parsed, not constrained (as vLLM does).
+
+Structured output: `response_format` (OpenAI's `{"type": "json_object"}` and `{"type": "json_schema", "json_schema":
+{"name", "schema", ...}}`, on both endpoints as vLLM takes it) or vLLM's `structured_outputs` object with one of
+`json` (a schema), `json_object: true`, `regex`, `choice` (a list of strings) or `grammar` (Lark or GBNF); at most one
+of the two, and not with a forced tool call.
 """
 
 import json
@@ -21,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jaxmodels.engine.grammar import GrammarSpec
 from jaxmodels.engine.request import BIAS_ENTRIES, MAX_LOGPROBS, SamplingParams
 from jaxmodels.serve.chat_template import RESERVED_VARIABLES
 
@@ -61,7 +68,7 @@ class StreamOptions(BaseModel):
 
 # OpenAI fields we do not implement, and the values that mean "not used".
 NEUTRAL_VALUES = {
-    "echo": (False, None), "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "echo": (False, None), "best_of": (None, 1), "suffix": (None, ""),
 }
 
 # A logit_bias key: a token id written as a decimal string, as OpenAI's clients send them.
@@ -95,6 +102,8 @@ class _Sampled(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, le=2)  # None: 1, off
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None
+    response_format: Any = None
+    structured_outputs: Any = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -110,6 +119,33 @@ class _Sampled(BaseModel):
         if len(bias) > BIAS_ENTRIES:
             raise ValueError(f"has {len(bias)} entries; at most {BIAS_ENTRIES}")
         return bias
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value):
+        response_format_spec(value)  # ValueError: a 400 naming the field
+        return value
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured_outputs(cls, value):
+        structured_outputs_spec(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if response_format_spec(self.response_format) is not None and self.structured_outputs is not None:
+            raise ValueError("response_format and structured_outputs: send at most one of them")
+        return self
+
+    @property
+    def structured_output(self) -> tuple[GrammarSpec, str] | None:
+        """(what the output is constrained to, the field that asked for it), or None."""
+        spec = response_format_spec(self.response_format)
+        if spec is not None:
+            return spec, "response_format"
+        spec = structured_outputs_spec(self.structured_outputs)
+        return (spec, "structured_outputs") if spec is not None else None
 
     @field_validator(*[name for name in NEUTRAL_VALUES], check_fields=False)
     @classmethod
@@ -134,8 +170,10 @@ class _Sampled(BaseModel):
         params, neutral = self.sampling_params(max_new_tokens=1)[0], SamplingParams()
         return [name for name in ADJUSTMENT_FIELDS if getattr(params, name) != getattr(neutral, name)]
 
-    def sampling_params(self, max_new_tokens: int) -> list[SamplingParams]:
-        """One SamplingParams per choice; with a seed, choice i draws with seed + i."""
+    def sampling_params(self, max_new_tokens: int, structured_output: GrammarSpec | None = None
+                        ) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i draws with seed + i. `structured_output`: the
+        grammar the server made of the request (see structured_output)."""
         bias = {int(token): value for token, value in self.logit_bias.items()} if self.logit_bias else None
         return [SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                                top_k=self.top_k, stop_token_ids=tuple(self.stop_token_ids),
@@ -143,7 +181,7 @@ class _Sampled(BaseModel):
                                presence_penalty=self.presence_penalty or 0.0,
                                frequency_penalty=self.frequency_penalty or 0.0,
                                repetition_penalty=self.repetition_penalty or 1.0, min_tokens=self.min_tokens,
-                               logit_bias=bias, logprobs=self.top_logprobs_k)
+                               logit_bias=bias, logprobs=self.top_logprobs_k, structured_output=structured_output)
                 for i in range(self.n)]
 
     @property
@@ -204,14 +242,6 @@ class FunctionDefinition(BaseModel):
         if schema is not None and not isinstance(schema.get("properties", {}), dict):
             raise ValueError("parameters.properties must be an object mapping parameter names to schemas")
         return schema
-
-    @field_validator("strict")
-    @classmethod
-    def _not_strict(cls, strict):
-        # Strict mode promises arguments that match the schema, which only constrained decoding can keep.
-        if strict:
-            raise ValueError("strict=true is not supported yet (it needs grammar-constrained decoding)")
-        return strict
 
 
 class ToolDefinition(BaseModel):
@@ -318,15 +348,29 @@ class ChatCompletionRequest(_Sampled):
         if isinstance(choice, dict) and choice["function"]["name"] not in names:
             raise ValueError(f"names the function {choice['function']['name']!r}, which is not among the tools "
                              f"({', '.join(names)})")
-        if choice != "auto":
-            raise ValueError(f"{json.dumps(choice)} is not supported yet: forcing a call needs grammar-constrained "
-                             f"decoding; use \"auto\" (the default) or \"none\"")
         return choice
 
     @property
     def tool_definitions(self) -> list[dict] | None:
         """The tools as the chat template and the tool-call parser read them (OpenAI's dicts), or None."""
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    @property
+    def forced_tools(self) -> list[dict] | None:
+        """The tools a call must be made to (tool_choice "required": any of them; a named function: that one), as
+        OpenAI dicts; None when the model may answer without a call."""
+        if self.tool_choice == "required":
+            return self.tool_definitions
+        if _names_a_function(self.tool_choice):
+            return [t for t in self.tool_definitions if t["function"]["name"] == self.tool_choice["function"]["name"]]
+        return None
+
+    @model_validator(mode="after")
+    def _forced_call_alone(self):
+        if self.forced_tools and self.structured_output is not None:
+            raise ValueError(f"tool_choice {json.dumps(self.tool_choice)} forces a tool call: it cannot be "
+                             f"combined with {self.structured_output[1]}")
+        return self
 
     @property
     def reads_tool_calls(self) -> bool:
@@ -365,6 +409,55 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]
+
+
+def response_format_spec(value) -> GrammarSpec | None:
+    """OpenAI's response_format -> the grammar it asks for (None: text); ValueError saying what is wrong."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValueError('must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                         '"json_schema": {"name": ..., "schema": {...}}}')
+    kind = value["type"]
+    extra = set(value) - {"type", "json_schema"} if kind == "json_schema" else set(value) - {"type"}
+    if extra:
+        raise ValueError(f"unknown field(s) for type {kind!r}: {', '.join(sorted(extra))}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_object()
+    inner = value.get("json_schema")
+    if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict):
+        raise ValueError('type "json_schema" needs "json_schema": {"name": ..., "schema": {...}} with the schema as '
+                         'a JSON object')
+    unknown = set(inner) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise ValueError(f"json_schema has unknown field(s): {', '.join(sorted(unknown))}")
+    return GrammarSpec.json_schema(inner["schema"])
+
+
+STRUCTURED_OUTPUT_KINDS = {"json": GrammarSpec.json_schema, "regex": GrammarSpec.regex, "choice": GrammarSpec.choice,
+                           "grammar": GrammarSpec.grammar}
+
+
+def structured_outputs_spec(value) -> GrammarSpec | None:
+    """vLLM's structured_outputs object -> the grammar it asks for; ValueError saying what is wrong."""
+    if value is None:
+        return None
+    kinds = [*STRUCTURED_OUTPUT_KINDS, "json_object"]
+    if not isinstance(value, dict):
+        raise ValueError(f"must be an object with one of {', '.join(kinds)}")
+    unknown = set(value) - set(kinds)
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}: one of {', '.join(kinds)}")
+    given = [kind for kind in kinds if value.get(kind) not in (None, False)]
+    if len(given) != 1:
+        raise ValueError(f"needs exactly one of {', '.join(kinds)}, got {len(given)}")
+    if given[0] == "json_object":
+        if value["json_object"] is not True:
+            raise ValueError("json_object must be true")
+        return GrammarSpec.json_object()
+    return STRUCTURED_OUTPUT_KINDS[given[0]](value[given[0]])
 
 
 def _names_a_function(choice) -> bool:

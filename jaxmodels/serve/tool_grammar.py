@@ -1,5 +1,5 @@
-"""Grammars the server builds: a tool call in each family's format: what `tool_choice` "required" or a named function constrains
-the output to, so that it always parses into calls whose arguments follow the tools' parameter schemas.
+"""Grammars the server builds. A tool call in each family's format is what `tool_choice` "required" or a named
+function constrains the output to, so that it always parses into calls whose arguments follow the tools' schemas.
 
 Each grammar is Lark for llguidance (engine.grammar), written from the formats jaxmodels.serve.tool_calls reads (see
 its docstring for where each was taken from), in the layout the chat templates write past calls in:
@@ -14,7 +14,8 @@ its docstring for where each was taken from), in the layout the chat templates w
 Arguments come in the order of the schema's `properties`: the required ones always, the others optionally, no others.
 A string-typed value is raw text (with a `maxLength` bound and an `enum` or `const` kept; `pattern` and `format`
 are not enforced there), that cannot contain the element's end tag; any other value is JSON under its own schema
-(llguidance's `%json`). A tag that is one special token of the tokenizer may be written as that token or as text.
+(llguidance's `%json`). A special token of the tokenizer inside the format's text (a tag, DSML's `｜DSML｜`) may be
+written as that token or as text.
 
 Where the chat prompt leaves a think block open (reasoning on), the output starts with free reasoning up to the end
 tag, and the constraint (a tool call, or a response_format) applies after it (`after_reasoning`).
@@ -24,7 +25,7 @@ import json
 import re
 
 from jaxmodels.engine.grammar import GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, GrammarSpec
-from jaxmodels.serve.tool_calls import DSML, declared_type
+from jaxmodels.serve.tool_calls import DSML, declared_type, json_or_text
 
 NEWLINE = "\n"
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without parameters
@@ -74,7 +75,8 @@ class _Builder:
         self.json_options = json_options
         self.reasoning_end = reasoning_end
         self.rules: list[str] = []
-        self.lexemes: dict[tuple, tuple[str, str]] = {}  # (end tag, length bound) -> (name, pattern)
+        self.lexemes: dict[tuple, tuple[str, str]] = {}  # (what it ends with, length bound) -> (name, pattern)
+        self._special = None
 
     def spec(self, start: str) -> GrammarSpec:
         if self.reasoning_end is not None:
@@ -84,28 +86,50 @@ class _Builder:
         return GrammarSpec.grammar("\n".join(lines))
 
     def reasoning(self) -> str:
-        """Free text up to the end of the think block, whose tag the model may write as text or as its special
-        token."""
-        raw = self.raw_text_then(self.reasoning_end)
-        token = self.special_token(self.reasoning_end)
-        if token is None:
+        """Free text up to the end of the think block."""
+        return self.text_then(self.reasoning_end)
+
+    def text_then(self, end: str, max_length: int | None = None) -> str:
+        """Text (at most max_length characters) then `end`, whose special tokens (if any) may be written as those
+        tokens or as text."""
+        raw = self.raw_text_then(end, max_length)
+        split = self.first_special(end)
+        if split is None:
             return raw
-        self.lexemes["reasoning", None] = ("REASONING", "/(?s:.*)/")
-        return f"(REASONING <[{token}]> | {raw})"
+        # Text cannot hold a special token: the text lexeme ends where it comes, ending with what precedes it.
+        at, _ = split
+        length = "*" if max_length is None else f"{{0,{int(max_length)}}}"
+        key = ("before special", end[:at], max_length)
+        if key not in self.lexemes:
+            self.lexemes[key] = (f"TEXT_{len(self.lexemes)}", f"/(?s:.{length}){_regex_text(end[:at])}/")
+        return f"({self.lexemes[key][0]} {self.literal(end[at:])} | {raw})"
 
-    def special_token(self, text: str) -> int | None:
-        """The id of the special token that is `text`, if the tokenizer has one."""
-        if self.tokenizer is None:
-            return None
-        token = self.tokenizer.token_to_id(text)
-        special = token is not None and any(t.content == text and t.special
-                                            for t in self.tokenizer.get_added_tokens_decoder().values())
-        return token if special else None
+    def special_tokens(self) -> dict[str, int]:
+        """{text: id} of the tokenizer's special tokens of more than one character."""
+        if self._special is None:
+            decoder = self.tokenizer.get_added_tokens_decoder() if self.tokenizer is not None else {}
+            self._special = {t.content: i for i, t in decoder.items() if t.special and len(t.content) > 1}
+        return self._special
 
-    def tag(self, text: str) -> str:
-        """A Lark expression for `text`: the literal, or that or its special token where it is one."""
-        token = self.special_token(text)
-        return _lark_string(text) if token is None else f"(<[{token}]> | {_lark_string(text)})"
+    def first_special(self, text: str) -> tuple[int, str] | None:
+        """(where, which) of the first special token inside `text`, or None."""
+        found = [(text.find(token), token) for token in self.special_tokens() if token in text]
+        return min(found, key=lambda f: (f[0], -len(f[1]))) if found else None
+
+    def literal(self, text: str) -> str:
+        """A Lark expression for `text`, each special token in it written as that token or as its text."""
+        parts = []
+        while text:
+            split = self.first_special(text)
+            if split is None:
+                parts.append(_lark_string(text))
+                break
+            at, token = split
+            if at:
+                parts.append(_lark_string(text[:at]))
+            parts.append(f"(<[{self.special_tokens()[token]}]> | {_lark_string(token)})")
+            text = text[at + len(token):]
+        return " ".join(parts)
 
     def json(self, schema) -> str:
         if not isinstance(schema, dict):
@@ -127,8 +151,8 @@ class _Builder:
         """A string argument written as raw text, then `before_end` + `end`."""
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if choices is not None and all(isinstance(c, str) for c in choices):
-            return f"({' | '.join(_lark_string(c) for c in choices)}) {_lark_string(before_end + end)}"
-        return self.raw_text_then(before_end + end, schema.get("maxLength"))
+            return f"({' | '.join(_lark_string(c) for c in choices)}) {self.literal(before_end + end)}"
+        return self.text_then(before_end + end, schema.get("maxLength"))
 
     def rule(self, name: str, body: str) -> str:
         self.rules.append(f"{name}: {body}")
@@ -153,7 +177,7 @@ class _Builder:
         if not parallel:
             schema["maxItems"] = 1
         self.rule("calls", self.json(schema))
-        return self.spec(f'{self.tag("<TOOLCALL>")} calls {self.tag("</TOOLCALL>")}')
+        return self.spec(f'{self.literal("<TOOLCALL>")} calls {self.literal("</TOOLCALL>")}')
 
     def blocks(self, format_name: str, functions: list[dict], parallel: bool) -> GrammarSpec:
         write = {"nemotron3": self.nemotron3_call, "deepseek_v32": self.dsml_invoke, "glm5": self.glm5_call}[
@@ -162,52 +186,58 @@ class _Builder:
         self.rule("call", " | ".join(calls))
         if format_name == "deepseek_v32":  # one block of invokes
             invokes = 'call ("\\n" call)*' if parallel else "call"
-            opening, closing = self.tag(f"<{DSML}function_calls>"), self.tag(f"</{DSML}function_calls>")
+            opening, closing = self.literal(f"<{DSML}function_calls>"), self.literal(f"</{DSML}function_calls>")
             return self.spec(f'{opening} "\\n" {invokes} {closing}')
         return self.spec('call ("\\n" call)*' if parallel else "call")
 
     def nemotron3_call(self, prefix: str, function: dict) -> str:
         def argument(key, schema):
-            opening = _lark_string(f"<parameter={key}>\n")
+            opening = self.literal(f"<parameter={key}>\n")
             if _written_raw(schema):
                 value = self.string_value(schema, "</parameter>", before_end="\n")
-                return f"{opening} {value} {_lark_string(NEWLINE)}"
-            return f"{opening} {self.json(schema)} {_lark_string(NEWLINE + '</parameter>' + NEWLINE)}"
+                return f"{opening} {value} {self.literal(NEWLINE)}"
+            return f"{opening} {self.json(schema)} {self.literal(NEWLINE + '</parameter>' + NEWLINE)}"
 
         arguments = self.arguments(prefix, function, argument)
-        header = _lark_string(NEWLINE + "<function=" + function["name"] + ">" + NEWLINE)
-        footer = _lark_string("</function>" + NEWLINE)
-        return f"{self.tag('<tool_call>')} {header} {arguments} {footer} {self.tag('</tool_call>')}"
+        header = self.literal(NEWLINE + "<function=" + function["name"] + ">" + NEWLINE)
+        footer = self.literal("</function>" + NEWLINE)
+        return f"{self.literal('<tool_call>')} {header} {arguments} {footer} {self.literal('</tool_call>')}"
 
     def dsml_invoke(self, prefix: str, function: dict) -> str:
         end = f"</{DSML}parameter>"
 
         def argument(key, schema):
             if _written_raw(schema):
-                opening = _lark_string(f'<{DSML}parameter name="{key}" string="true">')
-                return f"{opening} {self.string_value(schema, end)} {_lark_string(NEWLINE)}"
-            opening = _lark_string(f'<{DSML}parameter name="{key}" string="false">')
-            return f"{opening} {self.json(schema)} {_lark_string(end + NEWLINE)}"
+                opening = self.literal(f'<{DSML}parameter name="{key}" string="true">')
+                return f"{opening} {self.string_value(schema, end)} {self.literal(NEWLINE)}"
+            opening = self.literal(f'<{DSML}parameter name="{key}" string="false">')
+            return f"{opening} {self.json(schema)} {self.literal(end + NEWLINE)}"
 
         arguments = self.arguments(prefix, function, argument)
-        header = _lark_string(f'<{DSML}invoke name="' + function["name"] + '">' + NEWLINE)
-        return f"{header} {arguments} {_lark_string(f'</{DSML}invoke>' + NEWLINE)}"
+        header = self.literal(f'<{DSML}invoke name="' + function["name"] + '">' + NEWLINE)
+        return f"{header} {arguments} {self.literal(f'</{DSML}invoke>' + NEWLINE)}"
 
     def glm5_call(self, prefix: str, function: dict) -> str:
         def argument(key, schema):
-            opening = _lark_string(f"<arg_key>{key}</arg_key><arg_value>")
+            opening = self.literal(f"<arg_key>{key}</arg_key><arg_value>")
             if _written_raw(schema):
                 return f"{opening} {self.string_value(schema, '</arg_value>')}"
-            return f'{opening} {self.json(schema)} "</arg_value>"'
+            return f"{opening} {self.json(schema)} {self.literal('</arg_value>')}"
 
         arguments = self.arguments(prefix, function, argument)
-        return f'{self.tag("<tool_call>")} {_lark_string(function["name"])} {arguments} {self.tag("</tool_call>")}'
+        return f"{self.literal('<tool_call>' + function['name'])} {arguments} {self.literal('</tool_call>')}"
 
 
 def _written_raw(schema: dict) -> bool:
     """Whether an argument is written as raw text: where the parsers read it as a string (its type is string, or
     string or null)."""
-    return declared_type(schema).kind == "string"
+    kind = declared_type(schema).kind
+    if kind is not None or "type" in schema:
+        return kind == "string"
+    # No type: the parsers read JSON where the text is JSON, else the text; an enum of strings that do not read as
+    # JSON is written raw (written as JSON strings they would keep their quotes).
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    return bool(choices) and all(isinstance(c, str) and isinstance(json_or_text(c), str) for c in choices)
 
 
 def _lark_string(text: str) -> str:

@@ -328,6 +328,61 @@ def test_the_command_line_lists_the_parser_names():
     assert "'deepseek_v32', 'glm5', 'nemotron', 'nemotron3'" in result.stderr
 
 
+# --- forced calls: the output is constrained to calls in the family's format ---------------------------------------
+
+# Bounded values, so that any sampled call ends within max_tokens.
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "days"],
+        "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1,
+                                                                             "maximum": 9}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["UTC", "CET"]}}}}},
+]
+
+
+@pytest.mark.parametrize("family", ["nemotron3", "glm5"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_always_parse_and_validate(request, family, tool_choice, stream):
+    """Sampled, without thinking (sampled free reasoning could run past max_tokens); the next test thinks."""
+    import jsonschema
+
+    served = request.getfixturevalue(family)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+    for seed in range(3):
+        create = dict(model=MODEL, messages=ASK, tools=FORCED_TOOLS, tool_choice=tool_choice, temperature=1.0,
+                      seed=seed, max_tokens=300, stream=stream,
+                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        if stream:
+            (folded,) = fold_stream(served.client.chat.completions.create(**create)).values()
+            calls, finish_reason = list(folded["tool_calls"].values()), folded["finish_reason"]
+            calls = [{"name": c["name"], "arguments": json.loads(c["arguments"])} for c in calls]
+        else:
+            choice = served.client.chat.completions.create(**create).choices[0]
+            calls = [{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+                     for c in choice.message.tool_calls]
+            finish_reason = choice.finish_reason
+        assert calls and finish_reason == "tool_calls"
+        for call in calls:
+            assert tool_choice == "required" or call["name"] == "get_time"
+            jsonschema.validate(call["arguments"], schemas[call["name"]])
+
+
+@pytest.mark.parametrize("family, reasoning", [("nemotron3", NEMOTRON3_REASONING), ("glm5", GLM5_REASONING)])
+def test_a_forced_call_follows_the_reasoning(request, family, reasoning):
+    """With thinking on, the model reasons freely (the scripted reasoning, greedy) and the call comes after it."""
+    served = request.getfixturevalue(family)
+    message, finish_reason = message_of(served.chat(messages=ASK, tools=FORCED_TOOLS, temperature=0,
+                                                    tool_choice={"type": "function",
+                                                                 "function": {"name": "get_time"}}))
+    assert message["reasoning_content"] == reasoning
+    assert [call_of(c)["name"] for c in message["tool_calls"]] == ["get_time"]
+    assert finish_reason == "tool_calls"
+
+
 # --- bad requests --------------------------------------------------------------------------------------------------
 
 ASSISTANT_CALL = {"role": "assistant", "content": None,
@@ -347,11 +402,9 @@ BAD_REQUESTS = {
     "functions_named_alike": ({"tools": TOOLS * 2}, "tools", ["get_weather", "more than once"]),
     "properties_not_an_object": ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": ["city"]}}}]}, "tools", ["properties"]),
-    "strict_schema": ({"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]},
-                      "tools", ["strict", "not supported"]),
-    "tool_choice_required": ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice",
-                             ["required", "not supported yet"]),
-    "tool_choice_named": ({"tools": TOOLS, "tool_choice": NAMED}, "tool_choice", ["get_weather", "not supported"]),
+    "tool_choice_with_response_format": ({"tools": TOOLS, "tool_choice": "required",
+                                          "response_format": {"type": "json_object"}}, None,
+                                         ["forces a tool call", "response_format"]),
     "tool_choice_unknown_function": ({"tools": TOOLS, "tool_choice": {"type": "function",
                                                                      "function": {"name": "get_time"}}},
                                      "tool_choice", ["get_time", "not among the tools"]),
