@@ -13,7 +13,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from jaxmodels.engine.grammar import GrammarSpec  # noqa: E402
 from jaxmodels.serve.reasoning import ReasoningParser  # noqa: E402
-from jaxmodels.serve.tool_calls import TOOL_CALL_PARSERS  # noqa: E402
+from jaxmodels.serve.tool_calls import DSML, TOOL_CALL_PARSERS  # noqa: E402
 from jaxmodels.serve.tool_grammar import FORMATS, after_reasoning, tool_call_grammar  # noqa: E402
 from tests.engine.test_grammar import compiler, random_walk, tokenizer  # noqa: E402,F401  (fixtures)
 
@@ -101,3 +101,41 @@ def test_reasoning_may_end_with_the_special_token():
     for token in tokenizer.encode("some thoughts").ids + [2] + tokenizer.encode("ok").ids:
         matcher.accept(token)
     assert matcher.is_finished()
+
+
+SPECIAL_TAGS = ["<s>", "</s>", DSML, "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                "</arg_value>", "<TOOLCALL>", "</TOOLCALL>"]
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+def test_tags_that_are_special_tokens(format_name):
+    """Where the format's tags (or DSML's marker inside them) are special tokens, as in the families' tokenizers,
+    calls written with those tokens parse and validate (decoded with the special tokens kept, as the server does)."""
+    import numpy as np
+
+    from jaxmodels.engine.grammar import GrammarCompiler, allowed_token_mask
+    from tests.engine.test_grammar import CORPUS
+    from tests.serve.checkpoint import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer(CORPUS, vocab_size=500, special_tokens=SPECIAL_TAGS)
+    compiler = GrammarCompiler(tokenizer, vocab_size=512, eos_token_ids=[1])
+    spec = tool_call_grammar(format_name, TOOLS, tokenizer=tokenizer, json_options=compiler.json_options)
+    used_special = False
+    for seed in range(8):
+        rng, matcher, tokens = np.random.default_rng(seed), compiler.matcher(spec), []
+        while not matcher.is_finished() and len(tokens) < 3000:
+            allowed = allowed_token_mask(matcher.next_mask(), compiler.vocab_size)
+            if allowed[1] and rng.random() < 0.7:
+                break
+            allowed[1] = False
+            token = int(rng.choice(np.flatnonzero(allowed)))
+            matcher.accept(token)
+            tokens.append(token)
+        assert matcher.can_finish()
+        used_special |= any(2 <= t < len(SPECIAL_TAGS) for t in tokens)
+        text = tokenizer.decode(tokens, skip_special_tokens=False)
+        content, calls = TOOL_CALL_PARSERS[format_name](tools=TOOLS).parse(text)
+        assert content == "" and calls, text
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), parameters_of(call["name"]))
+    assert used_special  # the walks took the special-token spelling too
