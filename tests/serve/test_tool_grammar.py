@@ -15,7 +15,10 @@ from jaxmodels.engine.grammar import GrammarSpec  # noqa: E402
 from jaxmodels.serve.reasoning import ReasoningParser  # noqa: E402
 from jaxmodels.serve.tool_calls import DSML, TOOL_CALL_PARSERS  # noqa: E402
 from jaxmodels.serve.tool_grammar import FORMATS, after_reasoning, tool_call_grammar  # noqa: E402
-from tests.engine.test_grammar import compiler, random_walk, tokenizer  # noqa: E402,F401  (fixtures)
+from tests.engine import test_grammar  # noqa: E402
+from tests.engine.test_grammar import random_walk  # noqa: E402
+
+tokenizer, compiler = test_grammar.tokenizer, test_grammar.compiler  # the grammar tests' fixtures
 
 # Bounded values (maxLength, enums, maxItems): a random walk ends within its token budget.
 TOOLS = [
@@ -43,7 +46,7 @@ def parameters_of(name: str) -> dict:
 
 @pytest.mark.parametrize("format_name", FORMATS)
 @pytest.mark.parametrize("parallel", [True, False])
-def test_random_calls_parse_and_validate(compiler, tokenizer, format_name, parallel):  # noqa: F811
+def test_random_calls_parse_and_validate(compiler, tokenizer, format_name, parallel):
     spec = tool_call_grammar(format_name, TOOLS, parallel=parallel, tokenizer=tokenizer,
                              json_options=compiler.json_options)
     seen = set()
@@ -59,7 +62,7 @@ def test_random_calls_parse_and_validate(compiler, tokenizer, format_name, paral
 
 
 @pytest.mark.parametrize("format_name", FORMATS)
-def test_a_named_function_is_the_only_one_called(compiler, tokenizer, format_name):  # noqa: F811
+def test_a_named_function_is_the_only_one_called(compiler, tokenizer, format_name):
     spec = tool_call_grammar(format_name, [TOOLS[1]], tokenizer=tokenizer, json_options=compiler.json_options)
     for seed in range(4):
         _, calls = TOOL_CALL_PARSERS[format_name](tools=TOOLS).parse(random_walk(compiler, tokenizer, spec, seed))
@@ -76,7 +79,7 @@ def test_unknown_formats_and_no_tools_are_refused():
 @pytest.mark.parametrize("spec", [GrammarSpec.json_schema({"type": "object", "additionalProperties": False,
                                                            "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}),
                                   GrammarSpec.regex(r"[ab]{2}/[0-9]"), GrammarSpec.choice(["yes", "no"])])
-def test_reasoning_then_the_constraint(compiler, tokenizer, spec):  # noqa: F811
+def test_reasoning_then_the_constraint(compiler, tokenizer, spec):
     """A think-open prompt: free text up to </think>, then the constrained answer, which the reasoning parser
     puts in content."""
     checks = {"json_schema": lambda text: json.loads(text) in ({"n": 1}, {"n": 2}),
