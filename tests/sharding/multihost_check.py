@@ -17,6 +17,9 @@ import jaxmodels  # noqa: E402
 from sharding import initialize_distributed  # noqa: E402
 
 LIMITS = dict(dtype="float32", max_batch_size=8, max_seq_len=64, max_prefill_tokens=8, progress=False)
+# One decode bucket per dp group (max_batch_size / dp rows): a multi-process job compiles every bucket, with its
+# on-demand samplers, before serving (engine.warmup), and the default lists hold six and four decode sizes.
+DECODE_SIZES = {1: [8], 2: [4]}
 
 
 def main(path: str) -> None:
@@ -25,8 +28,12 @@ def main(path: str) -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 97, size=n).tolist() for n in (1, 6, 13, 27)]
     greedy = jaxmodels.SamplingParams(max_new_tokens=8, temperature=0.0)
-    alone = [o.token_ids for o in jaxmodels.LLM(path, **LIMITS).generate(prompts, greedy)]
-    job = [o.token_ids for o in jaxmodels.LLM(path, dp=2, tp=2, **LIMITS).generate(prompts, greedy)]
+
+    def served(dp: int, tp: int) -> list[list[int]]:
+        llm = jaxmodels.LLM(path, dp=dp, tp=tp, decode_sizes=DECODE_SIZES[dp], **LIMITS)
+        return [o.token_ids for o in llm.generate(prompts, greedy)]
+
+    alone, job = served(1, 1), served(2, 2)
     assert job == alone, (job, alone)
     print(f"process {jax.process_index()}: dp=2 tp=2 over 2 processes serves the 1-device tokens")
 
