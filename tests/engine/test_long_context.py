@@ -46,8 +46,11 @@ def assert_greedy_follows_forward(model, prompt: list[int], tokens: list[int]) -
 
 
 def serve(model, prompts, *, chunk: int, max_seq_len: int):
+    # One bucket of each kind, compiled before serving: the default warm-up would go on compiling the smaller decode
+    # buckets and the samplers of sampled requests in the background, which greedy requests of the largest batch
+    # never use (on the CPU, more compile time than the two buckets served).
     llm = jaxmodels.LLM(None, model=model, dtype="float32", max_batch_size=len(prompts), max_seq_len=max_seq_len,
-                        prefill_sizes=[chunk], progress=False)
+                        prefill_sizes=[chunk], decode_sizes=[len(prompts)], warmup="all", progress=False)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     return [out.token_ids for out in outs]
 
