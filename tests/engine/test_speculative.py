@@ -27,8 +27,10 @@ from jaxmodels.engine.batch import SamplingKnobs
 from tests.engine.test_llm import greedy_by_full_forward, random_prompts
 from tests.hf_mtp import save_with_drafting_mtp, save_with_mtp
 
+# Warm-up "all": the one bucket of each kind before serving, and no samplers compiled for logit-adjusting requests,
+# which no test here makes (the default warm-up compiles them in the background, for nothing).
 LIMITS = dict(max_batch_size=4, max_seq_len=64, prefill_sizes=[8], decode_sizes=[4], progress=False,
-              dtype="float32")
+              dtype="float32", warmup="all")
 PROMPT_LENGTHS = [1, 3, 8, 13, 27]
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -145,7 +147,7 @@ def test_speculation_needs_mtp_layers(tmp_path):
 
     save(make_nemotron_h("dense"), tmp_path)
     with pytest.raises(ValueError, match="multi-token-prediction"):
-        jaxmodels.LLM(tmp_path, num_speculative_tokens=2, warmup=False, **LIMITS)
+        jaxmodels.LLM(tmp_path, num_speculative_tokens=2, **{**LIMITS, "warmup": False})
 
 
 @pytest.mark.parametrize("launch_thread", [False, True])
