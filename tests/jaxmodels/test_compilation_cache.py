@@ -10,7 +10,10 @@ from tests.hf_models import make_nemotron_h, save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# One engine start in a fresh process: warm-up of a few buckets, a greedy generate, and JAX's cache counters.
+# One engine start in a fresh process: warm-up of a few buckets, a greedy generate, and JAX's cache counters. Warm-up
+# "all" compiles the buckets before serving and nothing in the background (the default would go on compiling the
+# samplers of sampled requests, which a greedy generate never uses, racing the process's exit: the two starts must
+# compile the same programs).
 START = """
 import json, sys
 import jax
@@ -26,7 +29,7 @@ def count(event, **kwargs):
 jax.monitoring.register_event_listener(count)
 path, cache = sys.argv[1:]
 llm = jaxmodels.LLM(path, dtype="float32", max_batch_size=2, max_seq_len=64, prefill_sizes=[16],
-                    decode_sizes=[1, 2], progress=False, compilation_cache_dir=cache)
+                    decode_sizes=[1, 2], warmup="all", progress=False, compilation_cache_dir=cache)
 outs = llm.generate([[5, 6, 7, 8], [9, 10, 11]], jaxmodels.SamplingParams(max_new_tokens=6, temperature=0.0))
 print(json.dumps(dict(counts, tokens=[o.token_ids for o in outs])))
 """
