@@ -1,7 +1,9 @@
 """Shared pytest set-up: platform markers, and GPU memory taken as needed rather than preallocated.
 
 Markers: `gpu` tests need a CUDA GPU and skip elsewhere; `cpu_only` tests check CPU-only behaviour (e.g. that a CPU
-reports no device memory) and skip on a GPU machine. The models set their own matmul precision (float32 models run
+reports no device memory) and skip on a GPU machine; `slow` tests take tens of seconds each on the 2-core CPU (the
+simulated-mesh subprocesses, the demo, prompts of thousands of tokens): they run first (`-m "not slow"` leaves them
+out), so that under xdist the last tests to finish are short ones and both workers end together. The models set their own matmul precision (float32 models run
 float32 dots everywhere, jaxmodels.precision), so no global precision flag is set here: the GPU run of the parity
 tests checks exactly what users get.
 """
@@ -88,6 +90,10 @@ def pytest_unconfigure(config):
         shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes tens of seconds on the 2-core CPU; runs first (see above)")
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = _has_gpu()
     skip = pytest.mark.skip(reason="checks CPU-only behaviour" if has_gpu else "needs a CUDA GPU")
@@ -95,3 +101,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if marker in item.keywords:
             item.add_marker(skip)
+    # Slow tests first, in their order (a stable sort). Collected last (tests/sharding), they started when little
+    # else was left to run beside them, and a worker could wait minutes for the other. None takes a module-scoped
+    # fixture, which moving it away from its module's other tests would build twice.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -63,6 +63,7 @@ def long_dsa(**overrides) -> dict:
             "index_topk": 64, **overrides}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["nemotron_h", "deepseek_v32"])
 def test_prompts_of_thousands_of_tokens_follow_the_full_forward(family):
     raw = long_dsa() if family == "deepseek_v32" else {**TINY_CONFIGS["nemotron_h"], "max_position_embeddings": 4096}

@@ -25,6 +25,7 @@ TINY = {
 }
 
 
+@pytest.mark.slow
 def test_benchmark_reports_every_phase(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
@@ -88,6 +89,7 @@ def test_fp8_block_model_holds_fp8_weights_and_its_floors_count_their_bytes():
     assert dense_costs.fp8_params_per_token == 0
 
 
+@pytest.mark.slow
 def test_benchmark_serves_the_fp8_block_model(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_DSA))

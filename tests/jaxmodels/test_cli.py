@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import pytest
 
 import jaxmodels
 from tests.hf_models import make_nemotron_h, save
@@ -59,6 +60,7 @@ def test_generate_rejects_a_bad_prompt(tmp_path):
     assert "1000" in result.stderr and "vocab" in result.stderr
 
 
+@pytest.mark.slow
 def test_demo_runs_and_reports_throughput():
     out = run_cli("demo", "--requests", "3", "--max-new-tokens", "6")
     assert "wrote a random Nemotron-H checkpoint" in out

@@ -9,7 +9,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.sharding.sharded_serving_check import MESHES
+
+pytestmark = pytest.mark.slow  # each starts processes that compile engines for several meshes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
