@@ -272,8 +272,6 @@ def traced(path: str, run) -> None:
 def profile_decode(llm, batch: int, prompt_len: int, steps: int, vocab: int, rng, path: str) -> None:
     """Trace `steps` steady decode steps of `batch` requests (their prompts' extend steps stay out of it); verify
     steps with speculative decoding."""
-    import jax
-
     from jaxmodels import SamplingParams
 
     engine = llm.engine

@@ -10,7 +10,6 @@ CUDA here, on any machine, with the kernels' GPU paths selected.
 
 import re
 
-import jax
 import pytest
 
 from jaxmodels.engine.cache import PoolSizes
