@@ -5,8 +5,8 @@
 from pallas_kernels.causal_conv1d import (causal_conv1d, causal_conv1d_pooled, causal_conv1d_update,  # noqa: E402,F401
                                           causal_conv1d_windows)
 from pallas_kernels.mamba_ssd import ssd_chunk_scan, ssd_chunk_scan_pooled  # noqa: E402,F401
-from pallas_kernels.mamba_state_update import (  # noqa: E402,F401
-    ssd_state_advance, ssd_state_update, ssd_state_update_packed)
+from pallas_kernels.mamba_state_update import ssd_state_update, ssd_state_update_packed  # noqa: E402,F401
+from pallas_kernels.mamba_verify import ssd_state_advance_packed, ssd_verify_scan_packed  # noqa: E402,F401
 from .indexer_topk import indexer_topk, indexer_topk_reference, quantize_index_k_fp8  # noqa: E402,F401
 from .sparse_mla_attention import (  # noqa: E402,F401
     logical_to_cache_rows, sparse_mla_attention, sparse_mla_attention_reference)

@@ -105,27 +105,3 @@ def ssd_state_update_packed(state, xbc, dt, A_log, *, n_groups, dt_offset=0, D, 
     return ssd_state_update_packed_pallas(state, xbc, dt, A_log, n_groups=G, dt_offset=dt_offset, D=D,
                                           dt_bias=dt_bias, slot_ids=slot_ids, dt_softplus=dt_softplus,
                                           interpret=interpret)
-
-
-@jax.jit
-def ssd_state_advance(state, x, dt, A, B, *, slot_ids, lengths):
-    """Advance each slot's state by the first lengths[s] of its L tokens, the decode recurrence token by token:
-    state[slots,H,P,N], x[S,L,H,P], dt[S,L,H] (after softplus: the step sizes themselves), A[H], B[S,L,G,N],
-    slot_ids[S], lengths int32[S] in [0, L] -> state.
-
-    Speculative decoding's commit: a verify step computes L tokens' outputs without touching the pool and learns
-    afterwards how many of them were accepted; this writes the state after the last accepted one. The state is
-    rounded to the pool's dtype after every token, as that many decode steps would leave it. XLA only: the L <= 5
-    unrolled updates fuse into one pass over the gathered states.
-    """
-    S, L, H, P = x.shape
-    G, N = B.shape[2:]
-    h = state[slot_ids].astype(jnp.float32).reshape(S, G, H // G, P, N)
-    dA = jnp.exp(dt.astype(jnp.float32) * A.astype(jnp.float32)).reshape(S, L, G, H // G)
-    dtx = (x.astype(jnp.float32) * dt.astype(jnp.float32)[..., None]).reshape(S, L, G, H // G, P)
-    Bf = B.astype(jnp.float32)
-    for i in range(L):
-        advanced = h * dA[:, i, ..., None, None] + dtx[:, i, ..., None] * Bf[:, i, :, None, None, :]
-        advanced = advanced.astype(state.dtype).astype(jnp.float32)
-        h = jnp.where((i < lengths)[:, None, None, None, None], advanced, h)
-    return state.at[slot_ids].set(h.reshape(S, H, P, N).astype(state.dtype))

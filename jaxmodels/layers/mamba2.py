@@ -39,16 +39,15 @@ class MambaCache:
 @dataclasses.dataclass(frozen=True)
 class MambaVerifyCache:
     """What a verify step leaves of one Mamba layer, for `Mamba2Mixer.commit_verified` (S requests, L tokens each):
-    the pools as they were, each request's conv window followed by its L conv inputs (`window[S, C, K-1+L]`), and
-    the SSM inputs of its L tokens (x[S,L,H,P], dt[S,L,H] after softplus, B[S,L,G,N]). It lives only inside the
-    verify step's program."""
+    the pools as they were, each request's conv window followed by its L conv inputs (`window[S, C, K-1+L]`), the
+    conv output of its L tokens (xbc[S*L, H*P + 2*G*N], x‖B‖C) and in_proj's output, whose dt columns the commit
+    reads in place. It lives only inside the verify step's program."""
 
     conv: jax.Array
     ssm: jax.Array
     window: jax.Array
-    x: jax.Array
-    dt: jax.Array
-    B: jax.Array
+    xbc: jax.Array
+    projected: jax.Array
 
 
 class DepthwiseConv1d(nnx.Module):
@@ -171,31 +170,28 @@ class Mamba2Mixer(nnx.Module):
             x_offset=self.intermediate)
         y, ssm_pool = pallas_kernels.ssd_state_update_packed(
             ssm_pool, xbc, projected, self.A_log[...], n_groups=self.n_groups,
-            dt_offset=self.intermediate + self.conv_dim, D=self.D[...], dt_bias=self.dt_bias[...], slot_ids=slot_ids,
+            dt_offset=self._dt_offset, D=self.D[...], dt_bias=self.dt_bias[...], slot_ids=slot_ids,
             dt_softplus=True)
         return self._output(y, projected[:, :self.intermediate], hidden.dtype), conv_pool, ssm_pool
 
     def forward_verify(self, hidden: jax.Array, step: StepContext, cache: MambaCache):
         """A verify step's L tokens per request, hidden[S*L, D] -> (out[S*L, D], MambaVerifyCache): outputs from
         each slot's state, the pools left as they were (see StepContext's VERIFY). Every token is a generated one, so
-        dt has no `time_step_min` floor (as in `forward_decode`)."""
+        dt has no `time_step_min` floor (as in `forward_decode`), and each output is the decode recurrence's
+        (pallas_kernels.ssd_verify_scan_packed: the state read once, kept on chip over the L tokens)."""
         slots, num_seqs = step.slot_ids, step.num_seqs
         length = hidden.shape[0] // num_seqs
-        gate, xbc_in, dt = self._split_projection(self.in_proj(hidden))
+        projected = self.in_proj(hidden)
+        gate, xbc_in, _ = self._split_projection(projected)
         inputs = xbc_in.reshape(num_seqs, length, self.conv_dim).transpose(0, 2, 1).astype(cache.conv.dtype)
         window = jnp.concatenate([cache.conv[slots], inputs], axis=2)
         xbc = pallas_kernels.causal_conv1d_windows(window, self.conv1d.weight[...], self._conv_bias(),
                                                    activation="silu")
         xbc = xbc.reshape(num_seqs * length, self.conv_dim).astype(xbc_in.dtype)
-        x, B, C = self._scan_operands(xbc[:, :self.intermediate], xbc[:, self.intermediate:])
-        # The scan reads each slot's state in place and writes nothing back (the pool comes back as it was).
-        y, ssm = pallas_kernels.ssd_chunk_scan_pooled(
-            x, dt, self._A(), B, C, D=self.D[...], dt_bias=self.dt_bias[...], cu_seqlens=step.cu_seqlens,
-            chunk_size=self.chunk_size, state_pool=cache.ssm, slot_ids=slots,
-            has_initial_state=jnp.ones(num_seqs, bool), dt_softplus=True, write_states=False)
-        per_seq = lambda a: a.reshape(num_seqs, length, *a.shape[1:])  # noqa: E731
-        pending = MambaVerifyCache(conv=cache.conv, ssm=ssm, window=window, x=per_seq(x),
-                                   dt=per_seq(self._softplus_dt(dt)), B=per_seq(B))
+        y = pallas_kernels.ssd_verify_scan_packed(
+            cache.ssm, xbc, projected, self.A_log[...], n_groups=self.n_groups, length=length,
+            dt_offset=self._dt_offset, D=self.D[...], dt_bias=self.dt_bias[...], slot_ids=slots)
+        pending = MambaVerifyCache(conv=cache.conv, ssm=cache.ssm, window=window, xbc=xbc, projected=projected)
         return self._output(y, gate, hidden.dtype), pending
 
     def commit_verified(self, pending: MambaVerifyCache, slot_ids: jax.Array, accepted: jax.Array) -> MambaCache:
@@ -204,9 +200,16 @@ class Mamba2Mixer(nnx.Module):
         A rejected draft leaves no trace in the pools."""
         keep = self.conv_kernel - 1
         window = jnp.take_along_axis(pending.window, (accepted + 1)[:, None, None] + jnp.arange(keep), axis=2)
-        ssm = pallas_kernels.ssd_state_advance(pending.ssm, pending.x, pending.dt, self._A(), pending.B,
-                                               slot_ids=slot_ids, lengths=accepted + 1)
+        ssm = pallas_kernels.ssd_state_advance_packed(
+            pending.ssm, pending.xbc, pending.projected, self.A_log[...], n_groups=self.n_groups,
+            length=pending.window.shape[2] - keep, dt_offset=self._dt_offset, dt_bias=self.dt_bias[...],
+            slot_ids=slot_ids, lengths=accepted + 1)
         return MambaCache(conv=pending.conv.at[slot_ids].set(window), ssm=ssm)
+
+    @property
+    def _dt_offset(self) -> int:
+        """dt's first column in in_proj's output (z ‖ x‖B‖C ‖ dt)."""
+        return self.intermediate + self.conv_dim
 
     def __call__(self, hidden: jax.Array, step: StepContext | None = None, cache: MambaCache | None = None):
         """Without a step: full sequences hidden[B, T, D] from zero state -> out[B, T, D], no cache.
