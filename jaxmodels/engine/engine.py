@@ -89,6 +89,7 @@ class StepTimes:
     wait_s: float = 0.0  # of which blocked on the device's tokens
     spec_draft_tokens: int = 0  # drafts checked by VERIFY steps (k per request and step)
     spec_accepted_tokens: int = 0  # of which accepted
+    spec_rejections: int = 0  # verify rows where a draft was turned down (the drafts after it were not judged)
 
 
 def _attach_logprobs(step, got: list[Request], chosen, top_ids, top_logprobs) -> None:
@@ -461,6 +462,7 @@ class Engine:
                         for request, result in zip(work, results) if not request.finished]
                 self.times.spec_draft_tokens += self.num_speculative_tokens * len(live)
                 self.times.spec_accepted_tokens += sum(result[-1] for result in live)
+                self.times.spec_rejections += sum(result[-1] < self.num_speculative_tokens for result in live)
             before = self.scheduler.num_generated
             got_now = self.scheduler.finish(step.kind, step.works, per_group)
             self.times.generated_tokens += self.scheduler.num_generated - before
@@ -508,6 +510,9 @@ class Engine:
             slots_used=slots - counts["free_slots"], slots_total=slots,
             spec_draft_tokens=t.spec_draft_tokens, spec_accepted_tokens=t.spec_accepted_tokens,
             spec_accept_rate=t.spec_accepted_tokens / t.spec_draft_tokens if t.spec_draft_tokens else 0.0,
+            # The chance that a draft stands once those before it stood (the per-draft rate MTP papers quote).
+            spec_accept_per_draft=(t.spec_accepted_tokens / (t.spec_accepted_tokens + t.spec_rejections)
+                                   if t.spec_draft_tokens else 0.0),
             prompt_tokens=counts["prompt_tokens"], prefix_cache_hit_tokens=counts["prefix_cache_hit_tokens"],
             prefix_cache_pages=counts["prefix_cache_pages"], prefix_cache_idle_pages=counts["prefix_cache_idle_pages"],
             prefix_cache_snapshots=counts["prefix_cache_snapshots"], **self.warmup.status())
