@@ -4,10 +4,12 @@ import dataclasses
 import os
 import time
 
+import jax
 import jax.numpy as jnp
 
 from jaxmodels.compilation_cache import use_compilation_cache
 from jaxmodels.engine.engine import Engine, InvalidRequest
+from jaxmodels.engine.mirror import follow, lead
 from jaxmodels.engine.request import SamplingParams
 from jaxmodels.hub import resolve_model_path
 from jaxmodels.loading import load_model
@@ -128,6 +130,18 @@ class LLM:
         # keep a whole unsharded copy alive beside it.
         self.model = model if mesh is None else None
 
+    def lead(self, *, on_failure=None) -> None:
+        """Make this process (process 0 of a multi-process job) the one that takes requests: the other processes
+        run `follow()` and repeat this engine's calls and steps, so only this one calls `generate` (or serves).
+        Waits until they all follow; `close()` stops them. `on_failure(reason)` is called when a process fails
+        (engine.mirror); the next step raises MirrorFailed."""
+        self.engine = lead(self.engine, num_processes=jax.process_count(), on_failure=on_failure)
+
+    def follow(self) -> None:
+        """Repeat process 0's engine calls and steps (it runs `lead()`) until it stops; MirrorFailed when it fails.
+        The other processes of a job run this instead of `generate`."""
+        follow(self.engine, process_index=jax.process_index())
+
     def metrics(self) -> dict:
         """The engine's counters (steps, tokens, host and wall time per step) and its pools' use now."""
         return self.engine.metrics()
@@ -139,7 +153,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the background compilation (the programs compiling now finish). The engine still serves, with the
-        buckets it has."""
+        buckets it has; a leading one (`lead()`) stops its followers and serves no more."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":

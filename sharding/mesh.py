@@ -25,8 +25,9 @@ def initialize_distributed() -> bool:
 
     The environment: JAX_COORDINATOR_ADDRESS (host:port of process 0), plus JAX_NUM_PROCESSES and JAX_PROCESS_ID
     unless jax detects the cluster itself (SLURM, Open MPI, ...). Every process then runs the same program on the
-    same requests (the engine's scheduling is deterministic), and each feeds and reads its own devices' shards.
-    Returns whether a job was joined.
+    same requests (the engine's scheduling is deterministic), or process 0 takes the requests and the others repeat
+    its engine's calls (LLM.lead / LLM.follow, `serve`; docs/multihost.md); each feeds and reads its own devices'
+    shards. Returns whether a job was joined.
     """
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
     if not address:
