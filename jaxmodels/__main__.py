@@ -57,18 +57,29 @@ def generate(args) -> None:
 def serve(args) -> None:
     import jax
 
-    if jax.process_count() > 1:
-        raise SystemExit("serve runs on one host; a multi-host job can run generate and bench")
     try:
-        from jaxmodels.serve.server import load_app, serve_forever, stop_process
+        from jaxmodels.serve.server import follow_leader, load_app, serve_forever, stop_job, stop_process
     except ImportError as e:
         raise SystemExit(f"serve needs the [serve] extra (pip install 'jaxmodels[serve]'): {e}")
+    from jaxmodels.engine.mirror import MirrorFailed
     from jaxmodels.hub import resolve_model_path
 
     try:
         model_dir = resolve_model_path(args.model)
     except FileNotFoundError as e:
         raise SystemExit(f"error: {e}")
+    llm_options = dict(dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                       dp=args.dp, tp=args.tp, max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup,
+                       num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
+                       memory_fraction=args.memory_fraction, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                       compilation_cache_dir=args.compilation_cache, enable_prefix_caching=not args.no_prefix_caching,
+                       mamba_cache_slots=args.mamba_cache_slots)
+    if jax.process_index() > 0:  # of a multi-process job: process 0 serves HTTP, this one steps with it
+        try:
+            follow_leader(model_dir, **llm_options)
+        except MirrorFailed as e:
+            raise SystemExit(f"error: {e}")
+        return
     api_key = resolve_api_key(args.api_key)
     if api_key is None and faces_network(args.host):
         logging.getLogger("jaxmodels.serve").warning(
@@ -76,23 +87,21 @@ def serve(args) -> None:
     failures = []
 
     def failed(message: str) -> None:
-        failures.append(message)
+        failures.append(f"the model failed to load: {message}")
         stop_process(message)
+
+    def job_failed(message: str) -> None:
+        failures.append(message)
+        stop_job(message)
 
     # The server answers at once (/health: 503 "loading") and serves once the model is loaded.
     app = load_app(model_dir, model_name=args.served_model_name or args.model, on_load_failure=failed,
-                   max_queued_requests=args.max_queued_requests, api_key=api_key,
+                   on_job_failure=job_failed, max_queued_requests=args.max_queued_requests, api_key=api_key,
                    max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
-                   tool_call_parser=args.tool_call_parser, dtype=args.dtype,
-                   max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dp=args.dp, tp=args.tp,
-                   max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup,
-                   num_speculative_tokens=args.num_speculative_tokens,
-                   quantization=args.quantization, memory_fraction=args.memory_fraction,
-                   mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, compilation_cache_dir=args.compilation_cache,
-                   enable_prefix_caching=not args.no_prefix_caching, mamba_cache_slots=args.mamba_cache_slots)
+                   tool_call_parser=args.tool_call_parser, **llm_options)
     serve_forever(app, args.host, args.port)
     if failures:
-        raise SystemExit(f"error: the model failed to load: {failures[0]}")
+        raise SystemExit(f"error: {failures[0]}")
 
 
 def resolve_api_key(flag: str | None) -> str | None:

@@ -268,7 +268,7 @@ def prompt_char_bound(llm) -> int | None:
 def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None = None,
               max_queued_requests: int = 1024, load=None, on_load_failure=None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, reasoning_parser: str = AUTO,
-              tool_call_parser: str = AUTO) -> FastAPI:
+              tool_call_parser: str = AUTO, on_shutdown=None) -> FastAPI:
     """The app serving `llm` (whose engine it takes over: from its start on, only its engine thread may touch the
     engine), or the LLM that `load()` returns: the app then answers at once, /health and the model routes with 503
     and a "loading" reason, and serves once `load` has returned (it runs on a thread of its own when the app
@@ -276,7 +276,8 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
     With `api_key`, every route but /health and /metrics answers 401 without `Authorization: Bearer <api_key>`;
     a body over `max_request_bytes` is answered 413 unread (see security.py). `reasoning_parser` and
     `tool_call_parser` name the parsers of chat output: "auto" (the checkpoint's formats, if known), "none", or a
-    format (generation.OutputParsers); an unknown name is a ValueError listing the valid ones."""
+    format (generation.OutputParsers); an unknown name is a ValueError listing the valid ones. `on_shutdown()` is
+    called last when the app shuts down, after the engine has stopped."""
     if (llm is None) == (load is None):
         raise ValueError("give exactly one of llm and load")
     server = _Server(model_name=model_name, chat_template=chat_template, max_queued_requests=max_queued_requests,
@@ -305,6 +306,8 @@ def build_app(llm=None, *, model_name: str, chat_template: ChatTemplate | None =
             await asyncio.to_thread(server.worker.stop)
         if server.llm is not None:
             server.llm.close()
+        if on_shutdown is not None:
+            on_shutdown()
 
     app = FastAPI(title="jaxmodels", lifespan=lifespan)
     app.state.server = server
