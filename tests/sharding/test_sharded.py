@@ -5,6 +5,7 @@ Each check runs in a subprocess: the simulated device count must be set before j
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -62,19 +63,29 @@ def test_bf16_groups_on_the_cpu(tmp_path):
 
 
 def test_multi_process_job_equals_one_device(tmp_path):
-    """Two processes of one JAX job on this host, as two hosts would run it: the mesh spans both."""
-    from tests.hf_models import make_nemotron_h, save
+    """Two processes of one JAX job on this host, as two hosts would run it (tests/sharding/multihost_check.py): the
+    mesh spans both; LLM.generate on every process, on process 0 alone, and the HTTP server on process 0 serve the
+    1-device tokens of both families."""
+    from tests.hf_models import make_dsa, make_nemotron_h, save
 
-    path = save(make_nemotron_h("moe"), tmp_path / "ckpt")
+    families = {"deepseek_v32": make_dsa("deepseek_v32"), "nemotron_h_moe": make_nemotron_h("moe")}
+    for name, model in families.items():
+        save(model, tmp_path / name)
     with socket.socket() as probe:
         probe.bind(("localhost", 0))
         port = probe.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS=cpu_devices_flags(2), JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=cpu_devices_flags(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
-    processes = [subprocess.Popen([sys.executable, "-m", "tests.sharding.multihost_check", str(path)], cwd=ROOT,
+    processes = [subprocess.Popen([sys.executable, "-m", "tests.sharding.multihost_check", str(tmp_path)], cwd=ROOT,
                                   env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = [process.communicate(timeout=900)[0] for process in processes]
-    for i, (process, out) in enumerate(zip(processes, outputs)):
+    for process, out in zip(processes, outputs):
         assert process.returncode == 0, out[-3000:]
-        assert f"process {i}: dp=2 tp=2 over 2 processes serves the 1-device tokens" in out
+    for name in families:
+        for check in ("every process's generate serves the 1-device tokens",
+                      "generate on process 0 alone, process 1 following, serves them",
+                      "the server on process 0 answers them"):
+            assert f"{name}: {check}" in outputs[0]
+        steps = [re.search(rf"{name}: process {i} ran (\d+) steps", out).group(1) for i, out in enumerate(outputs)]
+        assert steps[0] == steps[1], (name, steps)  # process 1 ran every step process 0 did, no more
