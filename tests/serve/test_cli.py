@@ -1,5 +1,6 @@
 """`python -m jaxmodels serve` as a user runs it, with `--model` a Hugging Face Hub id resolved offline from a Hub
-cache the test fills itself (the layout huggingface_hub reads: refs/main names the snapshot directory)."""
+cache the test fills itself (the layout huggingface_hub reads: refs/main names the snapshot directory); and as a
+process k > 0 of a multi-process job runs it (tests/sharding/multihost_check.py serves across two processes)."""
 
 import os
 import signal
@@ -81,3 +82,54 @@ def test_generate_takes_a_hub_id_too(hub_env):
                             cwd=ROOT, env=hub_env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 tokens" in result.stdout
+
+
+class Follower:
+    """`serve` as process 1 of a multi-process job runs it, with `follow_leader` recording its arguments (and raising
+    `failure`, if set) instead of loading the model."""
+
+    def __init__(self):
+        self.calls, self.failure = [], None
+
+    def follow_leader(self, model_dir, **options):
+        self.calls.append((model_dir, options))
+        if self.failure is not None:
+            raise self.failure
+
+    def serve(self, *argv):
+        from jaxmodels.__main__ import main
+
+        main(["serve", *argv])
+
+
+@pytest.fixture
+def follower(monkeypatch):
+    import logging
+
+    import jax
+
+    from jaxmodels.serve import server
+
+    follower = Follower()
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(server, "follow_leader", follower.follow_leader)
+    monkeypatch.setattr(server, "serve_forever", lambda *args: pytest.fail("a follower serves HTTP"))
+    level = logging.getLogger("jaxmodels").level
+    yield follower
+    logging.getLogger("jaxmodels").setLevel(level)  # main() sets it to INFO
+
+
+def test_serve_on_a_process_above_0_follows_with_the_engine_options(follower, tmp_path):
+    """docs/multihost.md: the followers take process 0's engine options and answer no HTTP."""
+    follower.serve("--model", str(tmp_path), "--dp", "4", "--tp", "2", "--max-batch-size", "8", "--port", "1")
+    ((model_dir, options),) = follower.calls
+    assert model_dir == str(tmp_path)
+    assert (options["dp"], options["tp"], options["max_batch_size"]) == (4, 2, 8)
+
+
+def test_a_follower_whose_job_fails_exits_with_the_reason(follower, tmp_path):
+    from jaxmodels.engine.mirror import MirrorFailed
+
+    follower.failure = MirrorFailed("process 0 stopped the job: process 0's engine failed: RuntimeError: boom")
+    with pytest.raises(SystemExit, match="^error: process 0 stopped the job: process 0's engine failed"):
+        follower.serve("--model", str(tmp_path))
