@@ -550,6 +550,41 @@ def tune_update(rows):
                                  us=t * 1e6))
 
 
+def tune_verify(rows):
+    """Speculative decoding's verify scan and commit (pallas_kernels.mamba_verify) at Nano-9B's shapes, fp32 state:
+    warps per program for B requests of L tokens each, against the bytes each must move (the scan reads each state
+    once, the commit reads and writes it)."""
+    from pallas_kernels.mamba_verify_pallas import ssd_state_advance_pallas, ssd_verify_scan_pallas
+
+    sh = SHAPES["nano9b"]
+    H, P, N, G = sh["H"], sh["P"], sh["N"], sh["G"]
+    for S, L in ((32, 2), (32, 3), (1, 4), (256, 2)):
+        keys = jax.random.split(jax.random.PRNGKey(S * 10 + L), 4)
+        state = jax.random.normal(keys[0], (S + 1, H, P, N), jnp.float32)
+        xbc = jax.random.normal(keys[1], (S * L, H * P + 2 * G * N), jnp.bfloat16)
+        dt = jax.random.normal(keys[2], (S * L, H), jnp.bfloat16) - 1.0
+        A_log = jax.random.uniform(keys[3], (H,), jnp.float32, -2.0, 1.0)
+        D = dt_bias = jnp.ones((H,), jnp.float32)
+        slots = jnp.arange(1, S + 1, dtype=jnp.int32)
+        lengths = jnp.full((S,), L, jnp.int32)
+        state_bytes = S * H * P * N * 4
+        kw = dict(n_groups=G, length=L, dt_offset=0, interpret=INTERPRET)
+        for warps in (1, 2, 4, 8):
+            scan = jax.jit(lambda st, x, d, warps=warps: ssd_verify_scan_pallas(
+                st, x, d, A_log, D=D, dt_bias=dt_bias, slot_ids=slots, num_warps=warps, **kw))
+            commit = jax.jit(lambda st, x, d, warps=warps: ssd_state_advance_pallas(
+                st, x, d, A_log, dt_bias=dt_bias, slot_ids=slots, lengths=lengths, num_warps=warps, **kw),
+                donate_argnums=(0,))
+            t_scan = time_fn(lambda st, x, d: (scan(st, x, d), None), lambda: (state, xbc, dt))
+            t_commit = time_fn(lambda st, x, d: (out := commit(st, x, d), (out, x, d)),
+                               lambda: (jnp.copy(state), xbc, dt))
+            log(f"tune verify nano9b B={S} L={L} warps={warps}: scan {t_scan * 1e6:.1f} us "
+                f"{state_bytes / t_scan / 1e12:.2f} TB/s, commit {t_commit * 1e6:.1f} us "
+                f"{2 * state_bytes / t_commit / 1e12:.2f} TB/s")
+            rows.append(dict(kind="tune_verify", batch=S, length=L, warps=warps, scan_us=t_scan * 1e6,
+                             commit_us=t_commit * 1e6))
+
+
 def tune_conv_update(rows):
     """Channel blocks x warps of the decode conv update at B=256 (the packed call's shapes, bf16 windows). In the
     Nano-9B engine step it took 24 us a layer (2026-12-02), about half its byte floor: each program of the default
@@ -759,6 +794,7 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-update", action="store_true", help="only the state update's tile sweep")
     ap.add_argument("--tune-conv-update", action="store_true", help="only the decode conv update's tile sweep")
+    ap.add_argument("--tune-verify", action="store_true", help="only the verify scan and commit's warps sweep")
     ap.add_argument("--tune-conv", action="store_true",
                     help="only the conv checks, the prefill conv's tile sweep and the pooled conv at one real row of 256")
     ap.add_argument("--quick", action="store_true")
@@ -786,6 +822,9 @@ def main():
             return
         if a.tune_conv_update:
             tune_conv_update(rows)
+            return
+        if a.tune_verify:
+            tune_verify(rows)
             return
         if a.tune_conv:
             ok = check(only_conv=True)

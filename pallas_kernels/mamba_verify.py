@@ -48,8 +48,12 @@ def _advance(h, x, dt, A, B, t):
 
 
 def _rounded(h, dtype):
-    """h as the pool stores it (float32 again for the next token)."""
-    return h.astype(dtype).astype(jnp.float32)
+    """h as the pool stores it, kept in float32 for the next token. reduce_precision, not a convert pair: XLA's GPU
+    compiler drops a float32 -> bfloat16 -> float32 pair as if it were exact (`xla_allow_excess_precision`)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return h
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(h, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 @functools.partial(jax.jit, static_argnames=("n_groups", "length", "dt_offset"))

@@ -111,10 +111,12 @@ def test_commit_advances_each_slot_by_its_length(impl, case):
     np.testing.assert_array_equal(state[idle], before[idle])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.cpu_only)])
 def test_bfloat16_pool_rounds_between_tokens_as_decode_steps_do(impl):
     """With a bfloat16 pool, verify's y and the commit equal L calls of the decode update (the XLA reference), which
-    store the state rounded after each token."""
+    store the state rounded after each token. The kernel in interpret mode only on the CPU: on a GPU interpret mode
+    is XLA, whose compiler drops the kernel's float32 -> bfloat16 -> float32 rounding as if it were exact (compiled,
+    Triton keeps it: test_compiled_kernels_on_gpu)."""
     case = 1
     inp = make(np.random.default_rng(20), case, pool_dtype=jnp.bfloat16)
     S, L = len(inp["slot_ids"]), inp["length"]
@@ -171,13 +173,14 @@ def test_kernels_lower_to_triton(cuda_lowering):
 @pytest.mark.parametrize("S, L", [(1, 4), (32, 2), (256, 3)])
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_compiled_kernels_on_gpu(S, L, pool_dtype):
-    """The compiled kernels against the XLA references at Nano-9B's shapes: y within float32 summation order (its
-    bf16 rounding), the committed states within the pool dtype's last bit."""
+    """The compiled kernels against the XLA references at Nano-9B's shapes: y within its bf16 rounding, the
+    committed states within float32 summation order, or with a bf16 pool within a few last-bit flips (the state
+    left unrounded between tokens, as XLA would leave a convert pair, was 1.1e-3 off on the H200)."""
     inp = nano9b_inputs(np.random.default_rng(S), S, L, pool_dtype)
     y, y_ref = verify(inp, "pallas", interpret=False), verify(inp, "xla")
     assert rms_relative_error(np.asarray(y, np.float32), np.asarray(y_ref, np.float32)) < 4e-3
     lengths = [(s * 7 + 1) % (L + 1) for s in range(S)]
     state = np.asarray(advance(inp, lengths, "pallas", interpret=False).astype(jnp.float32))
     state_ref = np.asarray(advance(inp, lengths, "xla").astype(jnp.float32))
-    tolerance = 1e-5 if pool_dtype == jnp.float32 else 4e-3
+    tolerance = 1e-5 if pool_dtype == jnp.float32 else 3e-4
     assert rms_relative_error(state, state_ref) < tolerance
