@@ -99,16 +99,22 @@ def free_device_memory(devices=None) -> int:
     return min(free)
 
 
-def describe(shapes) -> str:
-    """`shapes`: per layer, a cache dataclass of ShapeDtypeStructs (or None) -> "k 4 x (...) bfloat16; ..."."""
-    fields: dict[str, list] = {}
+def cache_arrays(shapes):
+    """(layer's cache, field name, array) of each array of per-layer caches (None for a layer without one)."""
     for layer in shapes:
         if layer is None:
             continue
         for field in dataclasses.fields(layer):
             value = getattr(layer, field.name)
             if value is not None:
-                fields.setdefault(field.name, []).append(value)
+                yield layer, field.name, value
+
+
+def describe(shapes) -> str:
+    """`shapes`: per layer, a cache dataclass of ShapeDtypeStructs (or None) -> "k 4 x (...) bfloat16; ..."."""
+    fields: dict[str, list] = {}
+    for _, name, value in cache_arrays(shapes):
+        fields.setdefault(name, []).append(value)
     return "; ".join(f"{name} {len(arrays)} x {tuple(arrays[0].shape)} {jnp.dtype(arrays[0].dtype).name}"
                      for name, arrays in fields.items())
 

@@ -145,6 +145,15 @@ def _by_groups(shapes: list, dp: int) -> list:
     return jax.tree.map(stacked, shapes)
 
 
+def _laid_out(shapes, shardings):
+    """What `jax.device_put(shapes, shardings)` would place, for a tree of ShapeDtypeStructs: the same structs with
+    `shardings` (one, or a tree of them like `shapes`) and nothing allocated."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings), shapes)
+    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes,
+                        shardings)
+
+
 def uses_launch_thread(requested: bool | None) -> bool:
     """Whether a runner asked for `requested` (None: the default) launches from a thread of its own. Not by default
     with several processes: each reads a step's tokens through a collective of its own (`read`) while its launch
@@ -169,19 +178,24 @@ class Runner:
         cache_shapes = _by_groups(step.cache_shapes(sizes), self.dp)
         params = step.take_params()  # placed here (sharded over the mesh, if any); the step keeps no reference
         self.param_names = list(params)
-        self.last_tokens = jnp.zeros((self.dp * sizes.num_slots,), jnp.int32)
+        # A model of abstract params (ShapeDtypeStructs, as nnx.eval_shape builds it) gets abstract arrays
+        # throughout: programs to lower and compile for their exact shapes and layouts, nothing allocated and
+        # nothing to run (jaxmodels.plan sizes full-size models this way).
+        self.abstract = all(isinstance(value, jax.ShapeDtypeStruct) for value in params.values())
+        build = jax.eval_shape if self.abstract else lambda make: make()
+        self.last_tokens = build(lambda: jnp.zeros((self.dp * sizes.num_slots,), jnp.int32))
         # Each slot's drafts for its next verify step and its last token's position (unused without speculation).
-        self.drafts = DraftState.zeros(self.dp * sizes.num_slots, max(self.speculative, 1))
+        self.drafts = build(lambda: DraftState.zeros(self.dp * sizes.num_slots, max(self.speculative, 1)))
         # Each slot's token counts for penalized requests (none with speculation, which does not take them).
-        self.token_counts = sampler.TokenCounts.zeros(self.dp * sizes.num_slots if not self.speculative else self.dp,
-                                                      step.config.vocab_size)
+        self.token_counts = build(lambda: sampler.TokenCounts.zeros(
+            self.dp * sizes.num_slots if not self.speculative else self.dp, step.config.vocab_size))
         self.record_size = max(prefill_sizes)
         self._open_masks = {}  # rows -> a device bitmask allowing every token (_open_mask)
         self._to_devices = lambda tree: tree  # numpy batches go to the executables as they are
         self._mesh = mesh
         if mesh is None:
             self.params = [params[name] for name in self.param_names]
-            self.caches = allocate_caches(cache_shapes)
+            self.caches = cache_shapes if self.abstract else allocate_caches(cache_shapes)
         else:
             self._shard_over(mesh, params, cache_shapes)
         dp_axis = DP if mesh is not None else None
@@ -225,17 +239,18 @@ class Runner:
             return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
 
+        place = _laid_out if self.abstract else jax.device_put
         param_specs = param_partition_specs(params, self.step.param_axes, mesh, self.step.param_blocks)
         self.step.record_tp_specs({name: manual_part(spec, TP) for name, spec in param_specs.items()})
-        self.params = [jax.device_put(params[name], NamedSharding(mesh, param_specs[name]))
-                       for name in self.param_names]
+        self.params = [place(params[name], NamedSharding(mesh, param_specs[name])) for name in self.param_names]
         cache_specs = cache_partition_specs(cache_shapes, mesh)
         self._cache_shardings = shardings(cache_specs)
-        self.caches = allocate_caches(cache_shapes, self._cache_shardings)
+        self.caches = (_laid_out(cache_shapes, self._cache_shardings) if self.abstract
+                       else allocate_caches(cache_shapes, self._cache_shardings))
         self._by_group = by_group = NamedSharding(mesh, PartitionSpec(DP))
-        self.last_tokens = jax.device_put(self.last_tokens, by_group)
-        self.drafts = jax.device_put(self.drafts, by_group)
-        self.token_counts = jax.device_put(self.token_counts, by_group)
+        self.last_tokens = place(self.last_tokens, by_group)
+        self.drafts = place(self.drafts, by_group)
+        self.token_counts = place(self.token_counts, by_group)
         if jax.process_count() > 1:  # each process feeds its own devices' rows of the host's batch
             self._to_devices = lambda tree: jax.tree.map(
                 lambda a: jax.make_array_from_callback(a.shape, by_group, lambda index: a[index]), tree)
