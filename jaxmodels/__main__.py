@@ -1,6 +1,7 @@
 """Command line: `python -m jaxmodels demo`, `python -m jaxmodels generate --model PATH --prompt "..."`,
 `python -m jaxmodels serve --model PATH` (an OpenAI-compatible server, see jaxmodels/serve/) and
-`python -m jaxmodels bench --config CONFIG.json ...` (engine vs transformers, see jaxmodels/benchmark.py)."""
+`python -m jaxmodels bench --config CONFIG.json ...` (engine vs transformers, see jaxmodels/benchmark.py) and
+`python -m jaxmodels plan --config CONFIG.json --dp D --tp T` (memory and collectives on a mesh, jaxmodels/plan.py)."""
 
 import argparse
 import logging
@@ -113,6 +114,10 @@ def resolve_api_key(flag: str | None) -> str | None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # arranges its (simulated) devices before jax starts, and parses its own options
+        from jaxmodels.plan import main as plan
+
+        return plan(argv[1:], prog="python -m jaxmodels plan")
     from sharding import initialize_distributed
 
     initialize_distributed()  # a multi-host job when JAX_COORDINATOR_ADDRESS says so (see sharding.mesh)
@@ -126,6 +131,8 @@ def main(argv=None) -> None:
     demo.add_argument("--requests", type=int, default=8)
     demo.add_argument("--max-new-tokens", type=int, default=32)
     commands.add_parser("bench", help="our engine vs transformers generate on a random model (see --help)")
+    commands.add_parser("plan", help="memory per device and decode collectives of a model on a mesh, compiled from "
+                                     "abstract shapes (see --help)")
     gen = commands.add_parser("generate", help="generate from a checkpoint directory")
     gen.add_argument("--model", required=True, help="HF checkpoint directory (or one we converted)")
     gen.add_argument("--prompt", help="text prompt (the directory needs a tokenizer.json)")

@@ -1,0 +1,212 @@
+"""One mesh of a plan (jaxmodels.plan): the engine built on a model of abstract params, its step programs compiled
+by its own warm-up, and what they hold per device.
+
+The engine is the one `LLM` starts (`Engine` on a ("dp", "tp") mesh); on a model whose params are ShapeDtypeStructs
+its runner lays params and pools out by the sharding rules without allocating them (engine.runner), and warm-up
+compiles the programs from their abstract arguments (engine.programs): warm-up "all" compiles every bucket, "covering"
+the largest of each kind; the samplers that compile on demand are asked for with "all".
+"""
+
+import dataclasses
+import math
+import re
+import time
+
+from jaxmodels.plan_collectives import H200_CLUSTER, collectives
+
+H200_MEMORY = 141e9  # bytes of HBM3e per H200
+HBM_BANDWIDTH = 4.8e12  # bytes/s per H200 (data sheet)
+
+
+def shapes_only_model(config, dtype):
+    """The model for `config` with abstract params (ShapeDtypeStructs): nothing allocated."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxmodels.families import abstract_model
+
+    graphdef, state, _ = abstract_model(config, jnp.dtype(dtype))
+    return nnx.merge(graphdef, state)
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs laid out on a mesh (whole where none is given)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def cache_bytes_by_pool(caches) -> dict[str, int]:
+    """A device's cache bytes by the pool axis their arrays grow with: {"page": ..., "slot": ...} (cache classes
+    name it first in their AXES)."""
+    from jaxmodels.engine.cache import cache_arrays
+
+    by_pool = {"page": 0, "slot": 0}
+    for cache, name, value in cache_arrays(caches):
+        by_pool[type(cache).AXES[name][0]] += bytes_per_device(value)
+    return by_pool
+
+
+_ENTRY_ARRAY = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = ([a-z0-9]+)\[([\d,]*)\]\S* ([\w\-]+)\(")
+# Results that are no buffer of their own: arguments, views of other buffers.
+_NOT_TEMPORARY = {"parameter", "bitcast", "get-tuple-element", "constant", "tuple"}
+
+
+def largest_buffers(hlo_text: str, count: int = 3) -> list[str]:
+    """The `count` largest array results of the entry computation, as "dtype[shape] (GB, op)": where a program's
+    temporaries go."""
+    from jaxmodels.plan_collectives import DTYPE_BYTES
+
+    entry = hlo_text[hlo_text.find("\nENTRY "):]
+    found = []
+    for line in entry.splitlines()[1:]:
+        if line.startswith("}"):
+            break
+        match = _ENTRY_ARRAY.match(line)
+        if match and match.group(1) in DTYPE_BYTES and match.group(3) not in _NOT_TEMPORARY:
+            dtype, dims, opcode = match.group(1), match.group(2), match.group(3)
+            size = math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+            op = re.search(r'op_name="[^"]*?([\w\-]+)"', line)
+            found.append((size, f"{dtype}[{dims}] ({size / 1e9:.1f} GB, {op.group(1) if op else opcode})"))
+    return [text for _, text in sorted(found, reverse=True)[:count]]
+
+
+@dataclasses.dataclass
+class ProgramPlan:
+    job: tuple
+    lower_s: float
+    compile_s: float
+    temp_bytes: int  # memory_analysis: temporaries
+    fresh_output_bytes: int  # outputs that are no donated (aliased) argument
+    collectives: list
+    largest_buffers: list
+
+    @property
+    def transient_bytes(self) -> int:
+        """What the program holds besides its arguments while it runs."""
+        return self.temp_bytes + self.fresh_output_bytes
+
+    @property
+    def is_extend(self) -> bool:
+        """A prefill program (its bucket is a token count) rather than a decode one."""
+        return getattr(self.job[0], "value", self.job[0]) in ("extend", "extend_hidden", "draft") or \
+            "extend" in self.job[2:]
+
+
+def job_name(job: tuple) -> str:
+    return " ".join(str(getattr(part, "value", part)) for part in job)
+
+
+def measured(job, lower_s: float, compile_s: float, executable, num_devices: int) -> ProgramPlan:
+    memory = executable.memory_analysis()
+    hlo = executable.as_text()
+    return ProgramPlan(job=job, lower_s=lower_s, compile_s=compile_s, temp_bytes=memory.temp_size_in_bytes,
+                       fresh_output_bytes=memory.output_size_in_bytes - memory.alias_size_in_bytes,
+                       collectives=collectives(hlo, num_devices), largest_buffers=largest_buffers(hlo))
+
+
+def decode_step_jobs(programs) -> list[tuple]:
+    """The programs one greedy decode step of the largest bucket runs."""
+    from jaxmodels.step_context import StepKind
+
+    return [job for job in programs.bucket_jobs(StepKind.DECODE, programs.decode_sizes[-1]) if "sample" not in job]
+
+
+@dataclasses.dataclass
+class MeshPlan:
+    dp: int
+    tp: int
+    read_as: str
+    platform: str
+    weights: int
+    caches: int
+    cache_by_pool: dict
+    state: int
+    programs: list
+    decode_jobs: list
+    limits: dict
+    pool_sizes: object  # engine.cache.PoolSizes of one dp group
+    compile_wall_s: float  # the engine's construction and warm-up (programs compile concurrently)
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def resident(self) -> int:
+        """What a device holds between steps."""
+        return self.weights + self.caches + self.state
+
+    def temporaries(self, extend: bool | None = None) -> int:
+        """The most any program (of prefill programs, or of decode ones) holds besides its arguments."""
+        return max((p.transient_bytes for p in self.programs if extend is None or p.is_extend == extend), default=0)
+
+    @property
+    def peak(self) -> int:
+        return self.resident + self.temporaries()
+
+    @property
+    def worst_program(self) -> ProgramPlan:
+        return max(self.programs, key=lambda p: p.transient_bytes)
+
+    @property
+    def compile_s(self) -> float:
+        """Lowering and compiling, summed over the programs."""
+        return sum(p.lower_s + p.compile_s for p in self.programs)
+
+    def decode_collectives(self) -> list:
+        return [c for p in self.programs if p.job in self.decode_jobs for c in p.collectives]
+
+    def communication_s(self, cluster=H200_CLUSTER, wide_as_16_bits: bool = False) -> float:
+        """The decode step's collectives' time; `wide_as_16_bits` counts float32 ones at 2 bytes an element (what a
+        GPU moves of a 16-bit model's, which a CPU compilation widens)."""
+        return sum(c.seconds(cluster, 0.5 if wide_as_16_bits and c.dtype == "f32" else 1.0)
+                   for c in self.decode_collectives())
+
+    @property
+    def byte_floor_s(self) -> float:
+        return (self.weights + self.caches) / HBM_BANDWIDTH
+
+
+def plan_mesh(model, dp: int, tp: int, read_as: str, *, platform: str, buckets: str, limits: dict,
+              log=print) -> MeshPlan:
+    """Build the engine for `model` (abstract params) on a dp x tp mesh; its warm-up compiles its programs
+    (`buckets` "all": every one serving may call; "largest": the largest prefill and decode buckets')."""
+    import jax
+
+    from jaxmodels.engine.engine import Engine
+    from jaxmodels.engine.programs import ON_DEMAND
+    from sharding import make_mesh
+
+    log(f"mesh dp={dp} x tp={tp} ({read_as}) on {dp * tp} {platform} devices: compiling {buckets} buckets")
+    began = time.perf_counter()
+    mesh = make_mesh(dp, tp) if dp * tp > 1 else None
+    engine = Engine(model, mesh=mesh, warmup="all" if buckets == "all" else "covering", progress=True,
+                    launch_thread=False, **limits)
+    if buckets == "all":
+        for kind in ON_DEMAND:
+            engine.warmup.compile_on_demand(kind)
+        for kind in ON_DEMAND:
+            engine.warmup.wait_on_demand(kind)
+        if engine.warmup.on_demand_errors:
+            raise RuntimeError(f"compiling the samplers failed: {engine.warmup.on_demand_errors}")
+    wall_s = time.perf_counter() - began
+    runner, programs = engine.runner, engine.runner.programs
+    compiled = [measured(job, lower_s, compile_s, programs.executable(job), dp * tp)
+                for job, lower_s, compile_s, _ in engine.warmup.timings]
+    for p in compiled:
+        log(f"  {job_name(p.job)}: lowered in {p.lower_s:.1f} s, compiled in {p.compile_s:.1f} s, temporaries "
+            f"{p.transient_bytes / 1e9:.2f} GB, {len(p.collectives)} collectives")
+    plan = MeshPlan(dp=dp, tp=tp, read_as=read_as, platform=platform, weights=bytes_per_device(runner.params),
+                    caches=bytes_per_device(runner.caches), cache_by_pool=cache_bytes_by_pool(runner.caches),
+                    state=bytes_per_device((runner.last_tokens, runner.drafts, runner.token_counts)),
+                    programs=compiled, decode_jobs=decode_step_jobs(programs), limits=limits,
+                    pool_sizes=engine.sizes, compile_wall_s=wall_s)
+    del engine, runner, programs
+    jax.clear_caches()
+    return plan
