@@ -85,10 +85,12 @@ def parse_args(argv, prog=None):
                         help="decode buckets per dp group, comma-separated (default: the engine's)")
     parser.add_argument("--prefill-sizes", default=None,
                         help="prefill buckets (tokens per dp group), comma-separated (default: the engine's)")
-    parser.add_argument("--buckets", choices=["all", "largest"], default="all",
+    parser.add_argument("--buckets", choices=["all", "largest", "decode"], default="all",
                         help="all: compile every program serving may call; largest: the largest prefill and decode "
                              "buckets' (with their greedy samplers), which bound the temporaries and hold the decode "
-                             "step; a full-size model takes minutes a program on a CPU")
+                             "step; decode: the largest decode bucket's step only (its collectives: e.g. at 256 rows "
+                             "per dp group with --max-batch-size 256*dp). A full-size model takes minutes a program "
+                             "on a CPU")
     parser.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto",
                         help="auto: the GPUs if there are enough, else simulated CPU devices")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON here")

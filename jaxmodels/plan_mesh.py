@@ -173,10 +173,28 @@ class MeshPlan:
         return (self.weights + self.caches) / HBM_BANDWIDTH
 
 
+# The engine's warm-up mode for each choice of buckets: every program serving may call; the largest prefill and
+# decode buckets'; none (then the plan compiles the decode step's programs itself).
+WARMUP_FOR_BUCKETS = {"all": "all", "largest": "covering", "decode": "none"}
+
+
+def compile_decode_step(programs) -> list[tuple]:
+    """Compile the programs of the largest decode bucket's step -> warm-up's timings of them."""
+    timings = []
+    for job in decode_step_jobs(programs):
+        began = time.perf_counter()
+        lowered = programs.lower(job)
+        lowered_at = time.perf_counter()
+        programs.store_compiled(job, lowered.compile())
+        timings.append((job, lowered_at - began, time.perf_counter() - lowered_at, True))
+    return timings
+
+
 def plan_mesh(model, dp: int, tp: int, read_as: str, *, platform: str, buckets: str, limits: dict,
               log=print) -> MeshPlan:
-    """Build the engine for `model` (abstract params) on a dp x tp mesh; its warm-up compiles its programs
-    (`buckets` "all": every one serving may call; "largest": the largest prefill and decode buckets')."""
+    """Build the engine for `model` (abstract params) on a dp x tp mesh and compile its programs: `buckets` "all"
+    (every one serving may call), "largest" (the largest prefill and decode buckets'), "decode" (the largest decode
+    bucket's step)."""
     import jax
 
     from jaxmodels.engine.engine import Engine
@@ -186,8 +204,10 @@ def plan_mesh(model, dp: int, tp: int, read_as: str, *, platform: str, buckets: 
     log(f"mesh dp={dp} x tp={tp} ({read_as}) on {dp * tp} {platform} devices: compiling {buckets} buckets")
     began = time.perf_counter()
     mesh = make_mesh(dp, tp) if dp * tp > 1 else None
-    engine = Engine(model, mesh=mesh, warmup="all" if buckets == "all" else "covering", progress=True,
-                    launch_thread=False, **limits)
+    engine = Engine(model, mesh=mesh, warmup=WARMUP_FOR_BUCKETS[buckets], progress=True, launch_thread=False,
+                    **limits)
+    runner, programs = engine.runner, engine.runner.programs
+    timings = engine.warmup.timings
     if buckets == "all":
         for kind in ON_DEMAND:
             engine.warmup.compile_on_demand(kind)
@@ -195,10 +215,11 @@ def plan_mesh(model, dp: int, tp: int, read_as: str, *, platform: str, buckets: 
             engine.warmup.wait_on_demand(kind)
         if engine.warmup.on_demand_errors:
             raise RuntimeError(f"compiling the samplers failed: {engine.warmup.on_demand_errors}")
+    elif buckets == "decode":
+        timings = compile_decode_step(programs)
     wall_s = time.perf_counter() - began
-    runner, programs = engine.runner, engine.runner.programs
     compiled = [measured(job, lower_s, compile_s, programs.executable(job), dp * tp)
-                for job, lower_s, compile_s, _ in engine.warmup.timings]
+                for job, lower_s, compile_s, _ in timings]
     for p in compiled:
         log(f"  {job_name(p.job)}: lowered in {p.lower_s:.1f} s, compiled in {p.compile_s:.1f} s, temporaries "
             f"{p.transient_bytes / 1e9:.2f} GB, {len(p.collectives)} collectives")

@@ -26,9 +26,12 @@ def verdict(plan) -> str:
 
 
 def memory_rows(plans) -> list[list]:
+    def prefill(p):
+        return f"{p.temporaries(extend=True) / GB:.1f}" if any(q.is_extend for q in p.programs) else "not compiled"
+
     return [[mesh_label(p), p.read_as, p.devices, f"{p.weights / GB:.1f}", f"{p.caches / GB:.1f}",
-             f"{p.state / GB:.2f}", f"{p.temporaries(extend=False) / GB:.1f}", f"{p.temporaries(extend=True) / GB:.1f}",
-             f"{p.peak / GB:.1f}", verdict(p), f"{len(p.programs)}: {p.compile_wall_s:.0f} s"] for p in plans]
+             f"{p.state / GB:.2f}", f"{p.temporaries(extend=False) / GB:.1f}", prefill(p), f"{p.peak / GB:.1f}",
+             verdict(p), f"{len(p.programs)}: {p.compile_wall_s:.0f} s"] for p in plans]
 
 
 def what_fits(plan, max_position_embeddings: int) -> str:
