@@ -3,9 +3,10 @@ the step programs the engine would compile for that mesh, compiled from abstract
 
 The engine is built as `LLM` builds it, on a model whose params are ShapeDtypeStructs (`nnx.eval_shape`): its runner
 lays params and cache pools out by the sharding rules, with the pool sizes it would use, allocating nothing, and its
-own warm-up compiles every program serving may call (each prefill and decode bucket, the samplers, the speculative
-programs with --num-speculative-tokens; see jaxmodels.plan_mesh). On CPU the devices are simulated
-(--xla_force_host_platform_device_count, arranged before jax starts); where enough GPUs are present they are used.
+table of programs lowers every program serving may call (each prefill and decode bucket, the samplers, the
+speculative programs with --num-speculative-tokens), compiled as its warm-up compiles them (jaxmodels.plan_mesh). On
+CPU the devices are simulated (--xla_force_host_platform_device_count, arranged before jax starts); where enough GPUs
+are present they are used.
 
 Per device (every device holds the same: the rules split an array only where the mesh divides it):
   * weights: the device's shards of the params;
@@ -91,6 +92,9 @@ def parse_args(argv, prog=None):
                              "step; decode: the largest decode bucket's step only (its collectives: e.g. at 256 rows "
                              "per dp group with --max-batch-size 256*dp). A full-size model takes minutes a program "
                              "on a CPU")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="programs compiled at once (default: one per core, as warm-up does; each of a full-size "
+                             "model takes a few GB of host memory while it compiles)")
     parser.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto",
                         help="auto: the GPUs if there are enough, else simulated CPU devices")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON here")
@@ -189,7 +193,7 @@ def main(argv=None, prog: str | None = None) -> list:
     model = shapes_only_model(config, args.dtype)
     log(f"{args.config}: abstract model built in {time.perf_counter() - began:.1f} s")
     plans = [plan_mesh(model, dp, tp, read_as, platform=platform, buckets=args.buckets, limits=engine_limits(args),
-                       log=log) for dp, tp, read_as in meshes]
+                       threads=args.threads, log=log) for dp, tp, read_as in meshes]
     print_plans(plans, config=config, config_path=args.config, dtype=args.dtype, buckets=args.buckets)
     if args.json:
         write_json(plans, args.json)

@@ -2,17 +2,28 @@
 by its own warm-up, and what they hold per device.
 
 The engine is the one `LLM` starts (`Engine` on a ("dp", "tp") mesh); on a model whose params are ShapeDtypeStructs
-its runner lays params and pools out by the sharding rules without allocating them (engine.runner), and warm-up
-compiles the programs from their abstract arguments (engine.programs): warm-up "all" compiles every bucket, "covering"
-the largest of each kind; the samplers that compile on demand are asked for with "all".
+its runner lays params and pools out by the sharding rules without allocating them (engine.runner). Its table of
+programs (engine.programs) lowers each from its abstract arguments; they are compiled here as warm-up compiles them
+(lowered on one thread, compiled on a pool), each measured and then dropped.
 """
 
+import concurrent.futures
 import dataclasses
 import math
 import re
 import time
 
-from jaxmodels.plan_collectives import H200_CLUSTER, collectives
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmodels.engine.cache import cache_arrays
+from jaxmodels.engine.engine import Engine
+from jaxmodels.families import abstract_model
+from jaxmodels.plan_collectives import DTYPE_BYTES, H200_CLUSTER, collectives
+from jaxmodels.step_context import StepKind
+from sharding import make_mesh
 
 H200_MEMORY = 141e9  # bytes of HBM3e per H200
 HBM_BANDWIDTH = 4.8e12  # bytes/s per H200 (data sheet)
@@ -20,20 +31,12 @@ HBM_BANDWIDTH = 4.8e12  # bytes/s per H200 (data sheet)
 
 def shapes_only_model(config, dtype):
     """The model for `config` with abstract params (ShapeDtypeStructs): nothing allocated."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxmodels.families import abstract_model
-
     graphdef, state, _ = abstract_model(config, jnp.dtype(dtype))
     return nnx.merge(graphdef, state)
 
 
 def bytes_per_device(tree) -> int:
     """Bytes one device holds of a tree of ShapeDtypeStructs laid out on a mesh (whole where none is given)."""
-    import jax
-    import numpy as np
-
     total = 0
     for leaf in jax.tree.leaves(tree):
         shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
@@ -44,8 +47,6 @@ def bytes_per_device(tree) -> int:
 def cache_bytes_by_pool(caches) -> dict[str, int]:
     """A device's cache bytes by the pool axis their arrays grow with: {"page": ..., "slot": ...} (cache classes
     name it first in their AXES)."""
-    from jaxmodels.engine.cache import cache_arrays
-
     by_pool = {"page": 0, "slot": 0}
     for cache, name, value in cache_arrays(caches):
         by_pool[type(cache).AXES[name][0]] += bytes_per_device(value)
@@ -60,8 +61,6 @@ _NOT_TEMPORARY = {"parameter", "bitcast", "get-tuple-element", "constant", "tupl
 def largest_buffers(hlo_text: str, count: int = 3) -> list[str]:
     """The `count` largest array results of the entry computation, as "dtype[shape] (GB, op)": where a program's
     temporaries go."""
-    from jaxmodels.plan_collectives import DTYPE_BYTES
-
     entry = hlo_text[hlo_text.find("\nENTRY "):]
     found = []
     for line in entry.splitlines()[1:]:
@@ -112,8 +111,6 @@ def measured(job, lower_s: float, compile_s: float, executable, num_devices: int
 
 def decode_step_jobs(programs) -> list[tuple]:
     """The programs one greedy decode step of the largest bucket runs."""
-    from jaxmodels.step_context import StepKind
-
     return [job for job in programs.bucket_jobs(StepKind.DECODE, programs.decode_sizes[-1]) if "sample" not in job]
 
 
@@ -173,61 +170,66 @@ class MeshPlan:
         return (self.weights + self.caches) / HBM_BANDWIDTH
 
 
-# The engine's warm-up mode for each choice of buckets: every program serving may call; the largest prefill and
-# decode buckets'; none (then the plan compiles the decode step's programs itself).
-WARMUP_FOR_BUCKETS = {"all": "all", "largest": "covering", "decode": "none"}
+def jobs_for(programs, buckets: str) -> list[tuple]:
+    """The programs to compile: "all" that serving may call, "largest" those of the largest prefill and decode
+    buckets (what warm-up compiles before serving), "decode" the largest decode bucket's step."""
+    if buckets == "all":
+        return programs.jobs()
+    if buckets == "decode":
+        return decode_step_jobs(programs)
+    largest = [(kind, programs.sizes_of(kind)[-1]) for kind in (StepKind.EXTEND, StepKind.DECODE)]
+    return list(dict.fromkeys(job for bucket in largest for job in programs.bucket_jobs(*bucket)))
 
 
-def compile_decode_step(programs) -> list[tuple]:
-    """Compile the programs of the largest decode bucket's step -> warm-up's timings of them."""
-    timings = []
-    for job in decode_step_jobs(programs):
+def compile_each(programs, jobs: list[tuple], num_devices: int, threads: int, log) -> list[ProgramPlan]:
+    """Lower each job (on this thread: tracing holds the GIL) and compile it on `threads` threads, as warm-up does,
+    keeping of each executable only its measurements: a full-size model's executables take hundreds of MB each."""
+    def compile_and_measure(job, lowered, lower_s):
         began = time.perf_counter()
-        lowered = programs.lower(job)
-        lowered_at = time.perf_counter()
-        programs.store_compiled(job, lowered.compile())
-        timings.append((job, lowered_at - began, time.perf_counter() - lowered_at, True))
-    return timings
+        executable = lowered.compile()
+        return measured(job, lower_s, time.perf_counter() - began, executable, num_devices)
+
+    done, in_flight = [], set()
+
+    def collect(return_when):
+        nonlocal in_flight
+        finished, in_flight = concurrent.futures.wait(in_flight, return_when=return_when)
+        for future in finished:
+            plan = future.result()
+            done.append(plan)
+            log(f"  [{len(done)}/{len(jobs)}] {job_name(plan.job)}: lowered in {plan.lower_s:.1f} s, compiled in "
+                f"{plan.compile_s:.1f} s, temporaries {plan.transient_bytes / 1e9:.2f} GB, "
+                f"{len(plan.collectives)} collectives")
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for job in jobs:
+            began = time.perf_counter()
+            lowered = programs.lower(job)
+            in_flight.add(pool.submit(compile_and_measure, job, lowered, time.perf_counter() - began))
+            del lowered
+            if len(in_flight) >= threads:
+                collect(concurrent.futures.FIRST_COMPLETED)
+        collect(concurrent.futures.ALL_COMPLETED)
+    return done
 
 
-def plan_mesh(model, dp: int, tp: int, read_as: str, *, platform: str, buckets: str, limits: dict,
+def plan_mesh(model, dp: int, tp: int, read_as: str, *, platform: str, buckets: str, limits: dict, threads: int,
               log=print) -> MeshPlan:
-    """Build the engine for `model` (abstract params) on a dp x tp mesh and compile its programs: `buckets` "all"
-    (every one serving may call), "largest" (the largest prefill and decode buckets'), "decode" (the largest decode
-    bucket's step)."""
-    import jax
-
-    from jaxmodels.engine.engine import Engine
-    from jaxmodels.engine.programs import ON_DEMAND
-    from sharding import make_mesh
-
-    log(f"mesh dp={dp} x tp={tp} ({read_as}) on {dp * tp} {platform} devices: compiling {buckets} buckets")
+    """Build the engine for `model` (abstract params) on a dp x tp mesh and compile its programs (`buckets`: see
+    jobs_for)."""
     began = time.perf_counter()
     mesh = make_mesh(dp, tp) if dp * tp > 1 else None
-    engine = Engine(model, mesh=mesh, warmup=WARMUP_FOR_BUCKETS[buckets], progress=True, launch_thread=False,
-                    **limits)
+    engine = Engine(model, mesh=mesh, warmup="none", progress=False, launch_thread=False, **limits)
     runner, programs = engine.runner, engine.runner.programs
-    timings = engine.warmup.timings
-    if buckets == "all":
-        for kind in ON_DEMAND:
-            engine.warmup.compile_on_demand(kind)
-        for kind in ON_DEMAND:
-            engine.warmup.wait_on_demand(kind)
-        if engine.warmup.on_demand_errors:
-            raise RuntimeError(f"compiling the samplers failed: {engine.warmup.on_demand_errors}")
-    elif buckets == "decode":
-        timings = compile_decode_step(programs)
-    wall_s = time.perf_counter() - began
-    compiled = [measured(job, lower_s, compile_s, programs.executable(job), dp * tp)
-                for job, lower_s, compile_s, _ in timings]
-    for p in compiled:
-        log(f"  {job_name(p.job)}: lowered in {p.lower_s:.1f} s, compiled in {p.compile_s:.1f} s, temporaries "
-            f"{p.transient_bytes / 1e9:.2f} GB, {len(p.collectives)} collectives")
+    jobs = jobs_for(programs, buckets)
+    log(f"mesh dp={dp} x tp={tp} ({read_as}) on {dp * tp} {platform} devices: compiling {len(jobs)} programs "
+        f"({buckets} buckets: prefill {programs.prefill_sizes}, decode {programs.decode_sizes} per dp group)")
+    compiled = compile_each(programs, jobs, dp * tp, threads, log)
     plan = MeshPlan(dp=dp, tp=tp, read_as=read_as, platform=platform, weights=bytes_per_device(runner.params),
                     caches=bytes_per_device(runner.caches), cache_by_pool=cache_bytes_by_pool(runner.caches),
                     state=bytes_per_device((runner.last_tokens, runner.drafts, runner.token_counts)),
                     programs=compiled, decode_jobs=decode_step_jobs(programs), limits=limits,
-                    pool_sizes=engine.sizes, compile_wall_s=wall_s)
+                    pool_sizes=engine.sizes, compile_wall_s=time.perf_counter() - began)
     del engine, runner, programs
     jax.clear_caches()
     return plan
