@@ -67,6 +67,14 @@ def _advance_kernel(slot_ref, len_ref, xbc_ref, dt_ref, alog_ref, dtb_ref, state
     plgpu.store(tile, st.astype(state_ref.dtype), mask=pn_mask)
 
 
+def _warps(requests: int) -> int:
+    """Warps per program. On the H200 (2026-12-04, `bench/mamba_kernels.py --tune-verify`, Nano-9B, fp32 state) one
+    warp was fastest from 32 requests up (B=32, L=2: scan 66.7 us against 76.3 with four warps, commit 90.7 against
+    95.7; B=256: 381 against 445 and 660 against 700: more programs in flight per SM); at one request, with only 640
+    programs, four (56.9 against 65.0 us)."""
+    return 1 if requests >= 8 else 4
+
+
 def _geometry(state, block_p):
     H, P, N = state.shape[1:]
     BP = largest_pow2_divisor(P, block_p)  # no masked-off lanes
@@ -75,10 +83,11 @@ def _geometry(state, block_p):
 
 @functools.partial(jax.jit, static_argnames=("n_groups", "length", "dt_offset", "block_p", "num_warps", "interpret"))
 def ssd_verify_scan_pallas(state, xbc, dt, A_log, *, n_groups, length, dt_offset, D, dt_bias, slot_ids,
-                           block_p=32, num_warps=4, interpret=False):
+                           block_p=32, num_warps=None, interpret=False):
     geometry = _geometry(state, block_p)
     S = slot_ids.shape[0]
     H, P = geometry["H"], geometry["P"]
+    num_warps = num_warps or _warps(S)
     kernel = functools.partial(_verify_kernel, L=length, G=n_groups, dt_off=dt_offset, **geometry)
     return pl.pallas_call(
         kernel,
@@ -92,9 +101,10 @@ def ssd_verify_scan_pallas(state, xbc, dt, A_log, *, n_groups, length, dt_offset
 
 @functools.partial(jax.jit, static_argnames=("n_groups", "length", "dt_offset", "block_p", "num_warps", "interpret"))
 def ssd_state_advance_pallas(state, xbc, dt, A_log, *, n_groups, length, dt_offset, dt_bias, slot_ids, lengths,
-                             block_p=32, num_warps=4, interpret=False):
+                             block_p=32, num_warps=None, interpret=False):
     geometry = _geometry(state, block_p)
     S = slot_ids.shape[0]
+    num_warps = num_warps or _warps(S)
     kernel = functools.partial(_advance_kernel, L=length, G=n_groups, dt_off=dt_offset, **geometry)
     return pl.pallas_call(
         kernel,
