@@ -32,7 +32,9 @@ OUTPUT_PROJECTIONS = ("out_proj.kernel", "o_proj.kernel", "down_proj.kernel", "e
 
 
 def agreeing(model):
-    """`model` with the weights of an always-agreeing drafter (see the module docstring)."""
+    """`model` with the weights of an always-agreeing drafter (see the module docstring). The model given is used up:
+    each output projection is freed once its zeros exist, so the device never holds both (DeepSeek 4-layer's routed
+    experts are 7 GiB a layer: copying them beside the originals ran out of memory on the H200, 2026-12-04)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -43,6 +45,7 @@ def agreeing(model):
     for name, value in params.items():
         if name.endswith(OUTPUT_PROJECTIONS):
             params[name] = jnp.zeros_like(value)
+            value.delete()
     fusion = "mtp.layers.0." if "mtp.layers.0.eh_proj.kernel" in params else "mtp_layers.0."
     eh = params[fusion + "eh_proj.kernel"]
     params[fusion + "eh_proj.kernel"] = jnp.concatenate([jnp.eye(hidden, dtype=eh.dtype),
