@@ -59,8 +59,8 @@ _NOT_TEMPORARY = {"parameter", "bitcast", "get-tuple-element", "constant", "tupl
 
 
 def largest_buffers(hlo_text: str, count: int = 3) -> list[str]:
-    """The `count` largest array results of the entry computation, as "dtype[shape] (GB, op)": where a program's
-    temporaries go."""
+    """The `count` largest distinct array results of the entry computation, as "dtype[shape] (GB, op) x how many":
+    where a program's temporaries go."""
     entry = hlo_text[hlo_text.find("\nENTRY "):]
     found = []
     for line in entry.splitlines()[1:]:
@@ -72,7 +72,11 @@ def largest_buffers(hlo_text: str, count: int = 3) -> list[str]:
             size = math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
             op = re.search(r'op_name="[^"]*?([\w\-]+)"', line)
             found.append((size, f"{dtype}[{dims}] ({size / 1e9:.1f} GB, {op.group(1) if op else opcode})"))
-    return [text for _, text in sorted(found, reverse=True)[:count]]
+    counts: dict[str, tuple[int, int]] = {}  # the same buffer of every layer, once: text -> (size, how many)
+    for size, text in found:
+        counts[text] = (size, counts.get(text, (size, 0))[1] + 1)
+    largest = sorted(counts.items(), key=lambda item: -item[1][0])[:count]
+    return [text + (f" x {n}" if n > 1 else "") for text, (_, n) in largest]
 
 
 @dataclasses.dataclass

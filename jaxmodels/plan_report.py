@@ -35,22 +35,27 @@ def memory_rows(plans) -> list[list]:
 
 
 def what_fits(plan, max_position_embeddings: int) -> str:
-    """Where the plan does not fit: the largest batch at its request length, the longest requests at its batch, the
-    largest prefill bucket."""
-    limits = plan.limits
+    """Where the plan does not fit: the largest prefill bucket, if only the prefill programs' temporaries are too
+    many; else the largest batch at its request length and the longest requests at its batch."""
+    limits, label = plan.limits, mesh_label(plan)
+    decode_peak = plan.resident + plan.temporaries(extend=False)
+    if decode_peak <= H200_MEMORY:
+        prefill = largest_prefill_bucket(plan, H200_MEMORY)
+        where = (f"prefill buckets up to {prefill} tokens per dp group do (--max-prefill-tokens {prefill})" if prefill
+                 else "with every bucket compiled (--buckets all) the plan says which prefill buckets do")
+        return (f"{label}: the pools and the decode step fit ({(H200_MEMORY - decode_peak) / GB:.1f} GB free beside "
+                f"the decode temporaries), the largest prefill bucket's {plan.temporaries(extend=True) / GB:.1f} GB of "
+                f"temporaries do not; {where}")
     batch = largest_batch(plan, H200_MEMORY, limits["max_seq_len"])
     seq_len = largest_seq_len(plan, H200_MEMORY, limits["max_batch_size"], max_position_embeddings)
-    prefill = largest_prefill_bucket(plan, H200_MEMORY)
     parts = [f"max_batch_size {batch} at max_seq_len {limits['max_seq_len']}" if batch else None,
-             f"max_seq_len {seq_len} at max_batch_size {limits['max_batch_size']}" if seq_len else None,
-             f"the planned pools with prefill buckets up to {prefill} tokens per dp group (--max-prefill-tokens)"
-             if prefill else None]
+             f"max_seq_len {seq_len} at max_batch_size {limits['max_batch_size']}" if seq_len else None]
     parts = [p for p in parts if p]
     if not parts:
-        return (f"{mesh_label(plan)}: the weights, state and temporaries alone take "
+        return (f"{label}: the weights, state and temporaries alone take "
                 f"{(plan.weights + plan.state + plan.temporaries()) / GB:.1f} GB of {H200_MEMORY / GB:.0f}: "
                 "plan more devices")
-    return f"{mesh_label(plan)} fits " + "; or ".join(parts)
+    return f"{label} fits " + "; or ".join(parts)
 
 
 def decode_rows(plans) -> list[list]:
