@@ -7,7 +7,7 @@ mamba_ssm is not a dependency: `.thirdparty/` (in .gitignore; the device call mu
 `mamba_ssm/ops/triton` (without `mamba3`) and `mamba_ssm/utils` folders from state-spaces/mamba at commit
 e9594ce1c732d97440f0332fdc43170a2294dbfa (`git archive` of those paths), with empty `mamba_ssm/__init__.py` and
 `mamba_ssm/ops/__init__.py` so that nothing imports its CUDA extensions, and the einops wheel unpacked beside them.
-`bash bench/h200_runs.sh scan_vs_mamba_ssm` runs this, then our table.
+`bash bench/lab/h200_runs.sh scan_vs_mamba_ssm` runs this, then our table.
 
 What is timed, as issue 5 measured it (bf16 inputs, fp32 final states, GPU time of CUDA-graph replays, the scan's
 Triton autotuning done by a warm-up call before capture):

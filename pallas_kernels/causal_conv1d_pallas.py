@@ -191,7 +191,7 @@ def _check_kernel_size(weight):
 
 
 # Token x channel tile of the prefill conv. H200, Nano-9B's 12,288 channels, one 8192-token sequence, bf16
-# (`bash bench/h200_runs.sh conv_tune`, 2026-12-02): 32 x 128 (this default) 172 µs, 16 x 256 187, 32 x 256 282,
+# (`bash bench/lab/h200_runs.sh conv_tune`, 2026-12-02): 32 x 128 (this default) 172 µs, 16 x 256 187, 32 x 256 282,
 # 64 x 128 294, 16 x 512 316, 64 x 256 (the default before) 339; byte floor 95. Narrow tiles hold fewer registers a
 # thread (the K shifted input tiles and the float32 sum), so more programs share an SM and more loads are in flight.
 BLOCK_T, BLOCK_C = 32, 128

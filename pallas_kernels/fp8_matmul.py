@@ -62,8 +62,8 @@ IMPLS = ("auto", "pallas", "xla", "xla_fp8", "mosaic", "cublaslt")  # xla_fp8: p
 # (128, 128) only
 # Whether `auto` takes the GPU paths on a GPU: yes. On the H200 they passed `bench/fp8_kernels.py --check` (block
 # kernels 1e-6..4e-6 of the largest output, the Mosaic ones 1.4e-4..2.6e-4 and the per-tensor cuBLASLt dot 0..1.3e-4,
-# within the FP8 tensor cores' accumulation), the compiled-kernel tests, the engine (`bash bench/h200_runs.sh
-# fp8_engine`) and, on 2026-12-01 09:02 UTC, every FP8 model test with them taken (`bash bench/h200_runs.sh
+# within the FP8 tensor cores' accumulation), the compiled-kernel tests, the engine (`bash bench/lab/h200_runs.sh
+# fp8_engine`) and, on 2026-12-01 09:02 UTC, every FP8 model test with them taken (`bash bench/lab/h200_runs.sh
 # fp8_models`: 64 passed). JAXMODELS_FP8_GPU_PATHS=0 makes `auto` run the reference (dequantize, then a float32 dot)
 # on the GPU instead, for comparison.
 GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS", "1") != "0"
@@ -80,7 +80,7 @@ def _mosaic_kernels_available() -> bool:
 
 # Which kernel `auto` runs block-scaled (128, 128) weights on (N and K multiples of 128) when it takes the GPU paths:
 # "mosaic" (`fp8_matmul_mosaic`) where jax has it, else "pallas" (Triton); JAXMODELS_FP8_BLOCK_KERNEL picks one.
-# On the H200 (2026-12-01, `bash bench/h200_runs.sh fp8`, bf16 alongside): dense M=4096 K=7168 N=18432 Mosaic
+# On the H200 (2026-12-01, `bash bench/lab/h200_runs.sh fp8`, bf16 alongside): dense M=4096 K=7168 N=18432 Mosaic
 # 1.073 ms, Triton 2.99 ms, bf16 1.578; the MoE grouped matmul Mosaic x1.34-1.62 of bf16, Triton x0.23-1.06. Dense
 # rows below MOSAIC_MIN_ROWS stay on Triton: at 16 rows it takes 44 us, Mosaic (rows padded to its 128-row tile,
 # 144 column tiles on 132 SMs) 68 us.
@@ -88,14 +88,14 @@ BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL") or ("mosaic" if _mos
 MOSAIC_MIN_ROWS = 65
 # Dense block-scaled products of at least this many rows run on cuBLASLt's block-scaled GEMM (`fp8_matmul_cublaslt`)
 # where `auto` takes the GPU paths on a one-device process (`_one_device`); JAXMODELS_FP8_CUBLASLT=0 keeps them on
-# BLOCK_KERNEL. On the H200 (2026-12-01, `FP8_ONLY=cublaslt bash bench/h200_runs.sh fp8`) at M=4096 K=7168 N=18432:
+# BLOCK_KERNEL. On the H200 (2026-12-01, `FP8_ONLY=cublaslt bash bench/lab/h200_runs.sh fp8`) at M=4096 K=7168 N=18432:
 # 0.960 ms (x1.64 of bf16's 1.577, the Mosaic kernel 1.087 in the same run). With the activations' quantization in
 # front, the library was ahead of the Mosaic kernel from 128 rows up (seventh run, docs/BENCHMARKS.md: 0.065 against
 # 0.077 ms at 128 rows, 0.152 against 0.165 at 512), but the GEMM alone timed slower at 128 rows and below (0.103 ms),
 # which is not understood, and no engine run has measured decode batches on the callback: rows below 1024 stay on the
 # kernels. (End to end, the DeepSeek 4k prefill took 78.8 ms with it and 77.5 without: within the runs' spread.)
 # JAXMODELS_FP8_CUBLASLT_MIN_ROWS moves the line, to measure decode batches on the library through the engine
-# (`bash bench/h200_runs.sh fp8_engine_rows`).
+# (`bash bench/lab/h200_runs.sh fp8_engine_rows`).
 CUBLASLT_MIN_ROWS = int(os.environ.get("JAXMODELS_FP8_CUBLASLT_MIN_ROWS", "1024"))
 USE_CUBLASLT = os.environ.get("JAXMODELS_FP8_CUBLASLT", "1") != "0"
 # The per-tensor format on the block kernels: its scales broadcast over blocks of this size (the K step).

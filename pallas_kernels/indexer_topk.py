@@ -230,7 +230,7 @@ def index_logits_pallas(q, weights, k_cache, *, kv_lens, page_table=None, seq_id
     Each program scores `block_q` queries against `tiles_per_program` key tiles of `block_kv`, loading the queries
     once (n_pad must be a multiple of block_kv * tiles_per_program). By default decode takes 4 tiles a program where
     they divide the row: on the H200 at 131k keys, 3-5% less time at 16 and 32 queries, the same at 1
-    (`bash bench/h200_runs.sh idx_decode`, 2026-12-01).
+    (`bash bench/lab/h200_runs.sh idx_decode`, 2026-12-01).
     FP8 keys in a pool past 2^31 elements go in as byte pairs (`_dispatch.needs_byte_pairs`; `byte_pairs` forces
     them on or off): each pair tile splits into the even and the odd channels' keys, dotted with q's even and odd
     channels.

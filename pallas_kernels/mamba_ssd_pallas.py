@@ -273,7 +273,7 @@ def _launch(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, states, pool_
     divides the segment length. `prefetch` (the next block's loads issued before this block's arithmetic) is on by
     default: on the H200 at T = 8192 it took Nano-9B's one sequence from 823 to 805 µs (one span), its 16
     sequences from 723 to 716, Nano-30B's one sequence (segmented) from 318 to 285 and its 16 from 228 to 195
-    (`bash bench/h200_runs.sh scan_tune`, 2026-12-01). `narrow_last_tile` (on by default): see
+    (`bash bench/lab/h200_runs.sh scan_tune`, 2026-12-01). `narrow_last_tile` (on by default): see
     `_mamba_tiles.head_dim_tiles`; it took Nano-9B's one sequence from 770 to 692 µs at 8k and from 3,151 to 2,818
     at 32k (2026-12-02)."""
     T, H, P = x.shape

@@ -20,7 +20,7 @@ _RUN_CACHE = None  # the compilation cache this process made for the run (CPU on
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The engine's compilation cache (on by default, under ~/.cache) stays off in tests, for them and the processes they
 # start: a test's outcome must not depend on what an earlier run left on disk. test_compilation_cache.py turns it on
-# where it is the subject; the GPU suite sets JAX's own cache (bench/gpu_check.sh), which still applies.
+# where it is the subject; the GPU suite sets JAX's own cache (tools/gpu_check.sh), which still applies.
 os.environ.setdefault("JAXMODELS_COMPILATION_CACHE_DIR", "off")
 if not glob.glob("/dev/nvidia[0-9]*"):  # CPU only: tests compile faster; a GPU suite tests what users run
     # LLVM's level 1 instead of 3 in XLA's CPU backend: a tiny model's extend step compiles in 2.2 s instead of 2.7 s

@@ -2,8 +2,9 @@
 `pallas_kernels/fp8_matmul_mosaic.py` that prints the same digests leaves the code the GPU runs unchanged, checked
 without a GPU (jax >= 0.11, which lowers Mosaic GPU for CUDA on any machine).
 
-    PYTHONPATH=. python bench/mosaic_digest.py            # one line per kernel variant: sha256 and size
-    git stash; PYTHONPATH=. python bench/mosaic_digest.py; git stash pop; PYTHONPATH=. python bench/mosaic_digest.py
+    PYTHONPATH=. python bench/lab/mosaic_digest.py            # one line per kernel variant: sha256 and size
+    git stash; PYTHONPATH=. python bench/lab/mosaic_digest.py; git stash pop    # before a refactor
+    PYTHONPATH=. python bench/lab/mosaic_digest.py            # after it: the same lines, the same GPU code
 
 Shapes: DeepSeek-V3.2's dense up projection (4096 x 7168 x 18432) and the routed experts of a 4096-token prefill
 (256 experts, 32768 rows, 7168 -> 2048). Each module is captured as Mosaic GPU's lowering hands it to serialization,

@@ -1,5 +1,5 @@
 """Sparse MLA decode at B = 128 launched once per tile variant, for Nsight Compute's counters (`bash
-bench/h200_runs.sh mla_ncu` runs this under `ncu --kernel-name regex:sparse_mla`).
+bench/lab/h200_runs.sh mla_ncu` runs this under `ncu --kernel-name regex:sparse_mla`).
 
 The timings in bench/dsa_kernels.py say how far the kernel is from its floors (25.8% of the byte floor at B = 128);
 the counters say which unit holds it there: tensor pipe busy, shared-memory wavefronts, L2 bytes, local-memory

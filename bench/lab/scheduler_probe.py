@@ -1,7 +1,7 @@
 """Host cost of the Python around a decode step, without a device: the scheduler's schedule(), the decode batch
 builder and the token accounting for B decoding requests, per step.
 
-    PYTHONPATH=. python3 bench/scheduler_probe.py [--batch 256] [--steps 300]
+    PYTHONPATH=. python3 bench/lab/scheduler_probe.py [--batch 256] [--steps 300]
 """
 
 import argparse

@@ -2,10 +2,10 @@
 # The GPU check: the whole test suite on one GPU machine (GPU-marked tests run, CPU-only ones skip), then the
 # kernels' compiled-vs-reference checks. Logs and a summary go to $OUT (default ./gpu_check_out).
 #
-#   bash bench/gpu_check.sh            # tests + kernel checks
-#   bash bench/gpu_check.sh tests      # tests only
-#   bash bench/gpu_check.sh checks     # kernel checks only
-#   GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash bench/gpu_check.sh tests   # a part of the suite
+#   bash tools/gpu_check.sh            # tests + kernel checks
+#   bash tools/gpu_check.sh tests      # tests only
+#   bash tools/gpu_check.sh checks     # kernel checks only
+#   GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash tools/gpu_check.sh tests   # a part of the suite
 #
 # On one H200 (16 cores) the suite runs in 8 workers sharing the GPU: JAX allocates GPU memory as it needs it
 # instead of preallocating 75% per process, XLA's compilations go to a persistent cache, and torch (CPU, for the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/h200_runs.sh suite|suite_a|suite_b|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -34,9 +34,9 @@ for what in "$@"; do
         --batches 64,256 --decode-steps 64 --sampling plain,logprobs,penalties,json \
         --tokenizer bench/.cache/tokenizer_128k.json --json "$OUT/structured.json" > "$OUT/structured.log" 2>&1
       echo "exit $?"; grep -B2 -A12 "| B |" "$OUT/structured.log" | head -30 ;;
-    structured_tests) OUT="$OUT/structured_tests" GPU_CHECK_TESTS="tests/engine/test_structured_output.py tests/engine/test_sampling_controls.py tests/engine/test_grammar.py tests/engine/test_llm.py" bash bench/gpu_check.sh tests 2>&1 | tail -5 ;;
-    suite) OUT=$OUT bash bench/gpu_check.sh tests > "$OUT/suite_stdout.log" 2>&1; tail -25 "$OUT/gpu_tests.log"; cat "$OUT/summary.txt" ;;
-    kernel_checks) OUT="$OUT/kernel_checks" bash bench/gpu_check.sh checks 2>&1 | grep -i "check\|FAIL" | tail -40 ;;
+    structured_tests) OUT="$OUT/structured_tests" GPU_CHECK_TESTS="tests/engine/test_structured_output.py tests/engine/test_sampling_controls.py tests/engine/test_grammar.py tests/engine/test_llm.py" bash tools/gpu_check.sh tests 2>&1 | tail -5 ;;
+    suite) OUT=$OUT bash tools/gpu_check.sh tests > "$OUT/suite_stdout.log" 2>&1; tail -25 "$OUT/gpu_tests.log"; cat "$OUT/summary.txt" ;;
+    kernel_checks) OUT="$OUT/kernel_checks" bash tools/gpu_check.sh checks 2>&1 | grep -i "check\|FAIL" | tail -40 ;;
     # The suite in two calls of about 5 minutes each (whole, it took 596 s of a call's 600 on 2026-12-01).
     suite_a) OUT="$OUT/suite_a" GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash "$0" suite ;;
     suite_b) OUT="$OUT/suite_b" GPU_CHECK_TESTS="tests/jaxmodels tests/bridge tests/sharding tests/serve" \
@@ -54,7 +54,8 @@ for what in "$@"; do
         XLA_FLAGS="--xla_dump_to=/tmp/hlo_spec --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run.* ${XLA_FLAGS:-}" \
           python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 32 --ks 1 \
           --tokens 16 --profile /tmp/prof_spec > "$log" 2>&1; echo "exit $?"; grep -v Warning "$log" | tail -60
-        python3 bench/hlo_fusions.py /tmp/hlo_spec --table "$log" --top 16 --param "s32[32]" > "$OUT/spec_fusions.md"
+        python3 bench/lab/hlo_fusions.py /tmp/hlo_spec --table "$log" --top 16 --param "s32[32]" \
+          > "$OUT/spec_fusions.md"
         echo "fusions: exit $? ($OUT/spec_fusions.md)" ;;
     scan_tune) timeout 300 python3 bench/mamba_kernels.py --tune --kernels none --out "$OUT/scan_tune" 2>&1 \
         | grep "^tune\|FAIL\|pooled" | tail -40 ;;  # Nano-9B's head-dim tiles; the pooled scan at 1 of 1 / 256 rows
@@ -92,7 +93,7 @@ for what in "$@"; do
         --prefill-chunk "${SERVE_CHUNK:-8192}" 2>&1 | tail -12 ;;  # issue 10's serving run with the config's fp32 state
     nano30b_bf16) bench --config bench/configs/nemotron_h_nano30b_a3b.json --phases serve --serve 256 --serve-in 1024 \
         --serve-out 1024 --arrival-rate 0 --mamba-ssm-cache-dtype bfloat16 --json "$OUT/nano30b_bf16.json" 2>&1 | tail -12 ;;
-    dispatch) for b in 1 256; do timeout 200 python3 bench/dispatch_probe.py \
+    dispatch) for b in 1 256; do timeout 200 python3 bench/lab/dispatch_probe.py \
         --config bench/configs/nemotron_h_nano9b.json --batch $b 2>&1 | tail -3; done ;;
     # Two H200s (kind nvidia-h200-x2), issue 11, in calls of under 10 minutes: decode at B=256 for each layout, with
     # the first run's per-op profile; x2b also runs dp=2 with NCCL collectives recorded into the step's CUDA graphs
@@ -163,12 +164,13 @@ for what in "$@"; do
               --config "bench/configs/$config.json" --phases prefill --prefill-len 8192 --prefill-chunk 8192 \
               2>&1 | grep -A3 "^| tokens"; done; done ;;
     hlo_b1) rm -rf /tmp/hlo_dump; log="$OUT/hlo_b1.log"  # a short model's decode B=1 per-op table, and what its
-        # top fusions compute (bench/hlo_fusions.py on the optimized HLO); config, layers: HLO_CONFIG, HLO_LAYERS
+        # top fusions compute (bench/lab/hlo_fusions.py on the optimized HLO); config, layers: HLO_CONFIG, HLO_LAYERS
         XLA_FLAGS="--xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run.* ${XLA_FLAGS:-}" \
           timeout 200 python3 -m jaxmodels bench --no-progress --config "bench/configs/${HLO_CONFIG:-nemotron_h_nano30b_a3b}.json" \
           --layers "${HLO_LAYERS:-4}" --phases decode --batches 1 --decode-steps 24 --profile /tmp/prof_hlo > "$log" 2>&1
         echo "exit $?"; grep -A30 "^| op" "$log" | head -32
-        python3 bench/hlo_fusions.py /tmp/hlo_dump --table "$log" --top 12 --param "s32[1]" > "$OUT/hlo_b1_fusions.md"
+        python3 bench/lab/hlo_fusions.py /tmp/hlo_dump --table "$log" --top 12 --param "s32[1]" \
+          > "$OUT/hlo_b1_fusions.md"
         echo "fusions: exit $? ($OUT/hlo_b1_fusions.md)" ;;
     fp8_b1_profile) for fp8 in --fp8-block ""; do  # FP8 against bf16 decode at one sequence, per-op tables
           log="$OUT/b1_profile${fp8:-_bf16}.log"
@@ -178,19 +180,20 @@ for what in "$@"; do
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     # Nsight Compute's counters of the sparse MLA decode at B = 128, a launch per tile variant
-    # (bench/ncu_sparse_mla.py): sections (speed of light, pipes, memory, stalls, launch) then the spill, shared-memory,
-    # L2 and tensor-pipe metrics; one buffer per allocation and no CUDA graphs, so each launch replays on its own.
+    # (bench/lab/ncu_sparse_mla.py): sections (speed of light, pipes, memory, stalls, launch) then the spill,
+    # shared-memory, L2 and tensor-pipe metrics; one buffer per allocation and no CUDA graphs, so each launch
+    # replays on its own.
     mla_ncu) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
         timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SpeedOfLight \
           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
-          --section LaunchStats --section Occupancy --section InstructionStats python3 bench/ncu_sparse_mla.py \
+          --section LaunchStats --section Occupancy --section InstructionStats python3 bench/lab/ncu_sparse_mla.py \
           > "$OUT/mla_ncu_sections.log" 2>&1; echo "sections: exit $?"
         timeout 150 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --metrics \
           l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,\
 l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,\
 lts__t_bytes.sum,dram__bytes_read.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,\
-sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "$OUT/mla_ncu_metrics.log" 2>&1
+sm__inst_executed.sum,gpu__time_duration.sum python3 bench/lab/ncu_sparse_mla.py > "$OUT/mla_ncu_metrics.log" 2>&1
         echo "metrics: exit $?"; grep -E "^launch|sparse_mla|Duration|Throughput|Registers|Shared Memory Config|Dynamic Shared|Achieved Occ|Theoretical Occ|Pipe|Stall|Warp Cycles|Issued|Executed Ipc|l1tex__|lts__|dram__|sm__|gpu__|==ERR|==WARN" \
           "$OUT/mla_ncu_sections.log" "$OUT/mla_ncu_metrics.log" | cut -c1-200 | head -150 ;;
     # The SASS of the same launches with per-instruction counters (ncu's source page): which tensor-core path the
@@ -198,7 +201,7 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/ncu_sparse_mla.py > "
     mla_sass) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
         timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SourceCounters --page source \
-          --print-source sass python3 bench/ncu_sparse_mla.py > "$OUT/mla_sass.log" 2>&1; echo "sass: exit $?"
+          --print-source sass python3 bench/lab/ncu_sparse_mla.py > "$OUT/mla_sass.log" 2>&1; echo "sass: exit $?"
         awk '/^launch [0-9]/ {print} /^Kernel Name/ {k++}  # one source table a launch, in launch order
           { while (match($0, /(HGMMA|HMMA|LDSM|LDS|STS|LDL|STL|LDGSTS|WARPGROUP|BAR|SHFL|MUFU)[A-Z0-9._]*/)) {
               op = substr($0, RSTART, RLENGTH); sub(/\..*/, "", op); n[k" "op]++; $0 = substr($0, RSTART + RLENGTH) } }

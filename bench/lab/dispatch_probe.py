@@ -9,7 +9,7 @@ called back to back (each call waits for the previous one) with its inputs in fo
 Host time = time until the call returns (the launch, not the device's work). XLA runs the step as a CUDA graph;
 if a launch must first update the graph because some input moved, the "fresh" launch costs more than "resident".
 
-    PYTHONPATH=. python3 bench/dispatch_probe.py --config bench/configs/nemotron_h_nano9b.json --batch 256
+    PYTHONPATH=. python3 bench/lab/dispatch_probe.py --config bench/configs/nemotron_h_nano9b.json --batch 256
 """
 
 import argparse

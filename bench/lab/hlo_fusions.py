@@ -4,8 +4,8 @@ read and write (there: a bf16[2688,3712] product of a weight and a broadcast row
 
     XLA_FLAGS="--xla_dump_to=/tmp/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run.*" \\
         python3 -m jaxmodels bench ... --profile /tmp/prof > bench.log
-    python3 bench/hlo_fusions.py /tmp/dump --table bench.log --top 12     # the table's first 12 ops
-    python3 bench/hlo_fusions.py /tmp/dump --names loop_multiply_fusion_45,input_reduce_fusion_121
+    python3 bench/lab/hlo_fusions.py /tmp/dump --table bench.log --top 12     # the table's first 12 ops
+    python3 bench/lab/hlo_fusions.py /tmp/dump --names loop_multiply_fusion_45,input_reduce_fusion_121
 
 Fusion numbers are per module: a module is shown when it defines every name asked for (`--param` narrows the choice
 to modules with a parameter of that shape, e.g. `s32[1]` for a one-sequence decode step's batch).
