@@ -9,11 +9,11 @@ Phases (`--phases`, all by default):
     `--decode-steps` decode steps; the median wall time of the steady decode steps (every row a real request) is the
     step time (with overlapped scheduling and host time below it, that is the device's), beside the host time per
     step and the floor: the bytes the step must move (weights, active experts only, KV / state) at 4.25 TB/s.
-  * prefill: one prompt of `--prefill-len` tokens and one output token; time to the first token (median of three)
-    against the FLOP floor at 810 TFLOP/s.
+  * prefill: for each length of `--prefill-len` (comma-separated), one prompt of that many tokens and one output
+    token; time to the first token (median of three) against the FLOP floor at 810 TFLOP/s.
   * serve: `--serve` requests of `--serve-in` tokens in and `--serve-out` out, all at once and then with Poisson
-    arrivals at `--arrival-rate` requests/s: output tok/s, TTFT and inter-token latency p50 / p99, host time per
-    step.
+    arrivals at `--arrival-rate` requests/s: output tok/s, TTFT and inter-token latency p50 / p90 / p99, host time
+    per step.
 `--fp8-block` serves the same random model with block-scaled FP8 weights, as DeepSeek-V3.2 publishes its checkpoint
 (`FP8_BLOCK_QUANTIZATION`): the layers that format quantizes hold the dense random weights quantized on the device
 (e4m3, one float32 scale per 128 x 128 block); the floors count the bytes held, one per FP8 weight, and the FLOPs
@@ -23,6 +23,10 @@ config (its own random weights) in a separate process (`jaxmodels.benchmark_tran
 GPU memory, at the sizes it can hold. `--profile DIR` traces a few decode steps at the largest batch and one
 prefill with `jax.profiler` and prints the per-op table (`jaxmodels.profiling`).
 
+The JSON (`--json`) also records how it was made: the command, the commit, the device and the jax version.
+`--plot DIR` draws its figures and `python -m jaxmodels bench-report` renders saved JSONs as figures and markdown
+tables (jaxmodels.benchmark_report).
+
 The last line is the headline.
 """
 
@@ -30,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -105,6 +110,21 @@ def balance_routing(model, calibration_ids) -> None:
 
 def percentile_ms(values, q) -> float:
     return float(np.percentile(values, q) * 1e3) if len(values) else float("nan")
+
+
+LATENCY_PERCENTILES = (50, 90, 99)
+
+
+def latency_percentiles(arrived: dict, token_times: dict) -> dict:
+    """TTFT and inter-token latency percentiles in ms (`ttft_p50_ms`, ..., `itl_p99_ms`) from each request's
+    arrival and the times its tokens came (seconds, by request id). An ITL is the gap between two consecutive
+    tokens of one request: gaps are never taken across requests, and a request's first token counts only in TTFT."""
+    ttft = [times[0] - arrived[key] for key, times in token_times.items() if times]
+    itl = np.concatenate([np.diff(times) for times in token_times.values()] + [np.zeros(0)])
+    out = {}
+    for name, values in (("ttft", ttft), ("itl", itl)):
+        out.update({f"{name}_p{q}_ms": percentile_ms(values, q) for q in LATENCY_PERCENTILES})
+    return out
 
 
 @dataclasses.dataclass
@@ -194,7 +214,7 @@ def decode_phase(llm, costs, batch: int, prompt_len: int, steps: int, vocab: int
     host_s = float(np.median([log.host[i] for i in steady]))
     floor = decode_floor_s(costs, batch, prompt_len + steps / 2)
     return dict(batch=batch, sampling=sampling, step_ms=step_s * 1e3, tok_s=batch / step_s, host_ms=host_s * 1e3,
-                host_share=host_s / step_s, floor_ms=floor * 1e3, of_floor=floor / step_s)
+                host_share=host_s / step_s, floor_ms=floor * 1e3, floor_tok_s=batch / floor, of_floor=floor / step_s)
 
 
 def prefill_phase(llm, costs, length: int, vocab: int, rng, repeats: int = 3) -> dict:
@@ -233,12 +253,9 @@ def serve_phase(llm, n: int, len_in: int, len_out: int, rate: float, vocab: int,
     with tqdm(total=n * len_out, desc=f"serve {n} x {len_in}/{len_out}", disable=not progress, unit="tok") as bar:
         run_engine(llm.engine, arrivals, on_arrival, on_token, bar)
     elapsed = time.perf_counter() - start
-    ttft = [token_times[i][0] - arrived[i] for i in token_times]
-    itl = np.concatenate([np.diff(t) for t in token_times.values()])
     metrics = llm.metrics()
-    return dict(requests=n, rate=rate, seconds=elapsed, out_tok_s=n * len_out / elapsed,
-                ttft_p50_ms=percentile_ms(ttft, 50), ttft_p99_ms=percentile_ms(ttft, 99),
-                itl_p50_ms=percentile_ms(itl, 50), itl_p99_ms=percentile_ms(itl, 99),
+    return dict(requests=n, rate=rate, in_tokens=len_in, out_tokens=len_out, seconds=elapsed,
+                out_tok_s=n * len_out / elapsed, **latency_percentiles(arrived, token_times),
                 host_ms_per_step=metrics["host_s_per_step"] * 1e3, host_share=metrics["host_fraction"],
                 preemptions=metrics["preemptions"])
 
@@ -249,7 +266,7 @@ def run_transformers(config_path: str, args) -> dict:
         out = os.path.join(tmp, "transformers.json")
         command = [sys.executable, "-m", "jaxmodels.benchmark_transformers", "--config", config_path,
                    "--batches", ",".join(map(str, args.batches)), "--prompt-len", str(args.prompt_len),
-                   "--decode-steps", str(args.decode_steps), "--prefill-len", str(args.prefill_len),
+                   "--decode-steps", str(args.decode_steps), "--prefill-len", ",".join(map(str, args.prefill_len)),
                    "--dtype", args.dtype, "--device", args.torch_device, "--json", out]
         if args.layers:
             command += ["--layers", str(args.layers)]
@@ -316,9 +333,10 @@ def profile_phases(llm, args, phases, vocab, rng, directory: str) -> None:
     if "prefill" not in phases:
         return
     path = os.path.join(directory, "prefill")
-    prompt = rng.integers(3, vocab, size=args.prefill_len).tolist()
+    length = max(args.prefill_len)
+    prompt = rng.integers(3, vocab, size=length).tolist()
     traced(path, lambda: run_engine(llm.engine, [(0.0, prompt, SamplingParams(max_new_tokens=1, temperature=0.0))]))
-    print(f"\n## profile: prefill of one {args.prefill_len}-token prompt")
+    print(f"\n## profile: prefill of one {length}-token prompt")
     print(format_op_table(op_table(path, FIRST_DEVICE), steps=1))
 
 
@@ -330,6 +348,42 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
                  for _, k, f in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+COMMIT_ENV = "JAXMODELS_COMMIT"
+
+
+def source_commit() -> str:
+    """The short hash of the commit this code was checked out at, with "-dirty" when tracked files differ from it;
+    where the code is no git checkout (a copy on a GPU machine, an installed wheel): $JAXMODELS_COMMIT if set, else
+    "unknown"."""
+    package = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*command):
+        return subprocess.run(["git", *command], cwd=package, capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode == 0:
+            dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+            return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):  # no git installed, or a hung one
+        pass
+    return os.environ.get(COMMIT_ENV) or "unknown"
+
+
+def provenance(argv: list[str], prog: str | None) -> dict:
+    """What a reader of the results needs to reproduce them: the command (as this benchmark was called, so a
+    run from a script or test records the options it got), the commit and the UTC date."""
+    return {"command": shlex.join([*(prog or "python -m jaxmodels.benchmark").split(), *argv]),
+            "commit": source_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def default_label(args) -> str:
+    label = os.path.splitext(os.path.basename(args.config))[0]
+    if args.layers:
+        label += f" ({args.layers} layers)"
+    return label + (" fp8-block" if args.fp8_block else "")
 
 
 def parse_args(argv, prog):
@@ -347,7 +401,8 @@ def parse_args(argv, prog):
                         "1.1, a JSON schema: BENCH_SCHEMA, needs --tokenizer)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json for the random model (structured output "
                         "compiles its grammars for it; its vocabulary at most the config's)")
-    parser.add_argument("--prefill-len", type=int, default=4096)
+    parser.add_argument("--prefill-len", default="4096", type=lambda s: [int(x) for x in s.split(",")],
+                        help="prompt lengths of the prefill phase, comma-separated: TTFT and tok/s for each")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per extend step")
     parser.add_argument("--serve", type=int, default=256, help="requests in the serving run")
     parser.add_argument("--serve-in", type=int, default=1024)
@@ -372,6 +427,10 @@ def parse_args(argv, prog):
     parser.add_argument("--torch-device", default="cuda")
     parser.add_argument("--profile", default=None, help="directory for jax.profiler traces")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--plot", default=None, metavar="DIR",
+                        help="draw the results' figures into DIR as PNGs (needs matplotlib: the [bench] extra)")
+    parser.add_argument("--label", default=None,
+                        help="the name of this run in figures and tables (default: the config's file name)")
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
 
@@ -388,7 +447,7 @@ def engine_limits(args, phases) -> dict:
         size *= 2
     lengths = [args.prompt_len + args.decode_steps + 2]
     if "prefill" in phases:
-        lengths.append(args.prefill_len + 1)
+        lengths.append(max(args.prefill_len) + 1)
     if "serve" in phases:
         lengths.append(args.serve_in + args.serve_out)
     if max_batch % args.dp:
@@ -418,7 +477,8 @@ def main(argv=None, prog: str | None = None) -> None:
     if args.tokenizer is not None and not raw.get("eos_token_id"):
         raw["eos_token_id"] = eos_of_tokenizer(args.tokenizer)
     weights = "fp8-block" if args.fp8_block else args.dtype
-    results = {"config": args.config, "layers": args.layers or "all", "dtype": args.dtype, "weights": weights,
+    results = {"label": args.label or default_label(args), **provenance(argv, prog), "config": args.config,
+               "layers": args.layers or "all", "dtype": args.dtype, "weights": weights,
                "prefix_caching": not args.no_prefix_caching}
     if args.compare_transformers:  # first: its process must be gone before JAX takes the GPU
         results["transformers"] = run_transformers(args.config, args)
@@ -444,6 +504,7 @@ def main(argv=None, prog: str | None = None) -> None:
     rng = np.random.default_rng(0)
     run_engine(llm.engine, [(0.0, [5] * 8, jaxmodels.SamplingParams(max_new_tokens=4, temperature=0.0))])
     device = jax.devices()[0]
+    results.update(device=device.device_kind, device_count=jax.device_count(), jax_version=jax.__version__)
     print(f"\nmodel {raw['model_type']} ({args.layers or 'all'} layers, "
           f"{costs.dense_weight_bytes / 1e9 + costs.moe_layers * costs.num_experts * costs.expert_bytes / 1e9:.1f} GB "
           f"of {weights} weights, {args.dtype} activations) on {device.device_kind}; ready in "
@@ -453,7 +514,9 @@ def main(argv=None, prog: str | None = None) -> None:
         results["decode"] = [decode_phase(llm, costs, b, args.prompt_len, args.decode_steps, vocab, rng, sampling)
                              for b in args.batches for sampling in args.sampling]
     if "prefill" in phases:
-        results["prefill"] = prefill_phase(llm, costs, args.prefill_len, vocab, rng)
+        results["prefill_sweep"] = [prefill_phase(llm, costs, length, vocab, rng) for length in args.prefill_len]
+        # The longest prompt's row under the key readers of a single length know.
+        results["prefill"] = max(results["prefill_sweep"], key=lambda row: row["tokens"])
     if "serve" in phases:
         results["serve"] = [serve_phase(llm, args.serve, args.serve_in, args.serve_out, rate, vocab, rng,
                                         not args.no_progress)
@@ -466,12 +529,19 @@ def main(argv=None, prog: str | None = None) -> None:
     if args.dp * args.tp > 1:
         # The floors count one device's traffic; a mesh splits it unevenly (experts over every device, attention,
         # Mamba and their caches over the dp groups), so no one-device floor applies.
-        for row in results.get("decode", []) + ([results["prefill"]] if "prefill" in results else []):
+        for row in results.get("decode", []):
+            row.update(floor_ms="-", floor_tok_s="-", of_floor="-")
+        for row in results.get("prefill_sweep", []):
             row.update(floor_ms="-", of_floor="-")
     report(results)
     if args.json:  # before profiling: a long profile must not cost the measurements
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.plot:
+        from jaxmodels.benchmark_report import plot_results
+
+        for path in plot_results([results], args.plot):
+            print(f"figure: {path}")
     if args.profile:
         profile_phases(llm, args, phases, vocab, rng, args.profile)
 
@@ -491,19 +561,24 @@ def report(results: dict) -> None:
                                         ("% of floor", "of_floor", ".0%"),
                                         ("transformers tok/s", "transformers_tok_s", ",.0f")]))
     if "prefill" in results:
-        row = results["prefill"]
-        their_prefill = theirs.get("prefill", {})
-        row["transformers_tok_s"] = their_prefill.get("tok_s", their_prefill.get("error", "-"))
+        rows = results.get("prefill_sweep", [results["prefill"]])
+        their_prefill = {row.get("tokens"): row for row in theirs.get("prefill_sweep", [theirs.get("prefill", {})])}
+        for row in rows:
+            theirs_row = their_prefill.get(row["tokens"], {})
+            row["transformers_ttft_ms"] = theirs_row.get("ttft_ms", theirs_row.get("error", "-"))
+            row["transformers_tok_s"] = theirs_row.get("tok_s", theirs_row.get("error", "-"))
         print("\n### prefill (one prompt, time to first token)")
-        print(table([row], [("tokens", "tokens", "d"), ("TTFT ms", "ttft_ms", ".1f"), ("tok/s", "tok_s", ",.0f"),
-                            ("floor ms", "floor_ms", ".1f"), ("% of floor", "of_floor", ".0%"),
-                            ("transformers tok/s", "transformers_tok_s", ",.0f")]))
+        print(table(rows, [("tokens", "tokens", "d"), ("TTFT ms", "ttft_ms", ".1f"), ("tok/s", "tok_s", ",.0f"),
+                           ("floor ms", "floor_ms", ".1f"), ("% of floor", "of_floor", ".0%"),
+                           ("transformers TTFT ms", "transformers_ttft_ms", ".1f"),
+                           ("transformers tok/s", "transformers_tok_s", ",.0f")]))
     if "serve" in results:
         print("\n### serving run")
         print(table(results["serve"], [("requests", "requests", "d"), ("arrivals/s", "rate", ".1f"),
                                        ("seconds", "seconds", ".1f"), ("output tok/s", "out_tok_s", ",.0f"),
-                                       ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT p99 ms", "ttft_p99_ms", ".0f"),
-                                       ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"),
+                                       ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT p90 ms", "ttft_p90_ms", ".0f"),
+                                       ("TTFT p99 ms", "ttft_p99_ms", ".0f"), ("ITL p50 ms", "itl_p50_ms", ".1f"),
+                                       ("ITL p90 ms", "itl_p90_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"),
                                        ("host ms / step", "host_ms_per_step", ".2f"),
                                        ("host share", "host_share", ".1%"), ("preemptions", "preemptions", "d")]))
     print(f"\npeak device memory {results['peak_memory_gb']:.1f} GB (model building included); in use after the "

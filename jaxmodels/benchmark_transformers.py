@@ -4,8 +4,8 @@ own process by `jaxmodels.benchmark --compare-transformers` (torch and JAX never
     python -m jaxmodels.benchmark_transformers --config CONFIG.json --batches 1,32 --json out.json
 
 Decode: ms per step is the difference of two `generate` lengths (prompt + 8 and prompt + 8 + steps new tokens,
-EOS off) over the extra steps, so prefill cancels out. Prefill: one prompt, one new token. A size that runs out of
-memory is recorded as such and the next one is tried.
+EOS off) over the extra steps, so prefill cancels out. Prefill: for each length of `--prefill-len`, one prompt, one
+new token. A size that runs out of memory is recorded as such and the next one is tried.
 """
 
 import argparse
@@ -61,7 +61,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--prefill-len", type=int, default=4096)
+    parser.add_argument("--prefill-len", default="4096", type=lambda s: [int(x) for x in s.split(",")],
+                        help="prompt lengths, comma-separated")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", required=True)
@@ -80,16 +81,21 @@ def main(argv=None) -> None:
         step = (long - short) / args.decode_steps
         return {"batch": batch, "step_ms": step * 1e3, "tok_s": batch / step}
 
-    def prefill():
-        seconds = timed_generate(model, rng.integers(3, vocab, size=(1, args.prefill_len)), 1)
-        return {"tokens": args.prefill_len, "ttft_ms": seconds * 1e3, "tok_s": args.prefill_len / seconds}
+    def prefill(length):
+        seconds = timed_generate(model, rng.integers(3, vocab, size=(1, length)), 1)
+        return {"ttft_ms": seconds * 1e3, "tok_s": length / seconds}
 
-    results = {"decode": [], "prefill": guarded(prefill)}
+    results = {"decode": [], "prefill_sweep": []}
+    for length in args.prefill_len:
+        row = {"tokens": length, **guarded(lambda: prefill(length))}
+        results["prefill_sweep"].append(row)
+        print(f"transformers prefill {length}: {row}", flush=True)
+    # The longest prompt's row under the key readers of a single length know.
+    results["prefill"] = max(results["prefill_sweep"], key=lambda row: row["tokens"])
     for batch in args.batches:
         row = guarded(lambda: decode(batch))
         results["decode"].append({"batch": batch, **row})
         print(f"transformers decode B={batch}: {row}", flush=True)
-    print(f"transformers prefill {args.prefill_len}: {results['prefill']}", flush=True)
     with open(args.json, "w") as f:
         json.dump(results, f)
 
