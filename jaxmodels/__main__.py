@@ -1,7 +1,9 @@
 """Command line: `python -m jaxmodels demo`, `python -m jaxmodels generate --model PATH --prompt "..."`,
-`python -m jaxmodels serve --model PATH` (an OpenAI-compatible server, see jaxmodels/serve/) and
-`python -m jaxmodels bench --config CONFIG.json ...` (engine vs transformers, see jaxmodels/benchmark.py) and
-`python -m jaxmodels plan --config CONFIG.json --dp D --tp T` (memory and collectives on a mesh, jaxmodels/plan.py)."""
+`python -m jaxmodels serve --model PATH` (an OpenAI-compatible server, see jaxmodels/serve/),
+`python -m jaxmodels bench --config CONFIG.json ...` (engine vs transformers, see jaxmodels/benchmark.py),
+`python -m jaxmodels bench-report RESULTS.json ... --plot DIR --markdown OUT.md` (its figures and tables, see
+jaxmodels/benchmark_report.py) and `python -m jaxmodels plan --config CONFIG.json --dp D --tp T` (memory and
+collectives on a mesh, jaxmodels/plan.py)."""
 
 import argparse
 import logging
@@ -118,6 +120,10 @@ def main(argv=None) -> None:
         from jaxmodels.plan import main as plan
 
         return plan(argv[1:], prog="python -m jaxmodels plan")
+    if argv[:1] == ["bench-report"]:  # reads JSONs: no devices, and its own options
+        from jaxmodels.benchmark_report import main as bench_report
+
+        return bench_report(argv[1:], prog="python -m jaxmodels bench-report")
     from sharding import initialize_distributed
 
     initialize_distributed()  # a multi-host job when JAX_COORDINATOR_ADDRESS says so (see sharding.mesh)
@@ -131,6 +137,8 @@ def main(argv=None) -> None:
     demo.add_argument("--requests", type=int, default=8)
     demo.add_argument("--max-new-tokens", type=int, default=32)
     commands.add_parser("bench", help="our engine vs transformers generate on a random model (see --help)")
+    commands.add_parser("bench-report", help="figures (--plot DIR) and markdown tables of saved bench JSONs (see "
+                                             "--help)")
     commands.add_parser("plan", help="memory per device and decode collectives of a model on a mesh, compiled from "
                                      "abstract shapes (see --help)")
     gen = commands.add_parser("generate", help="generate from a checkpoint directory")
