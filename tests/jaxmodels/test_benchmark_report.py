@@ -1,5 +1,6 @@
-"""The benchmark's figures and markdown tables (jaxmodels.benchmark_report) from its JSON: one tiny run on CPU (its
-numbers mean nothing here, only that every one of them reaches the tables), saved JSONs of older formats, and the
+"""The benchmark's figures and markdown tables (jaxmodels.benchmark_report) from its JSON: the tiny run on CPU shared
+with test_benchmark.py (tests/jaxmodels/conftest.py; its numbers mean nothing here, only that every one of them
+reaches the tables), saved JSONs of older formats, and the
 latency percentiles of the serving run."""
 
 import json
@@ -14,21 +15,6 @@ from PIL import Image
 from jaxmodels.__main__ import main
 from jaxmodels.benchmark import COMMIT_ENV, latency_percentiles
 from jaxmodels.benchmark_report import FIGURES, markdown
-from tests.jaxmodels.test_benchmark import TINY
-
-
-@pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
-    """(results JSON, figures directory, the JSON's data) of one run of every phase, two prefill lengths."""
-    directory = tmp_path_factory.mktemp("bench")
-    config = directory / "config.json"
-    config.write_text(json.dumps(TINY))
-    results, figures = directory / "results.json", directory / "figures"
-    main(["bench", "--config", str(config), "--layers", "2", "--batches", "1,2", "--prompt-len", "8",
-          "--decode-steps", "4", "--prefill-len", "16,40", "--prefill-chunk", "16", "--serve", "2", "--serve-in", "8",
-          "--serve-out", "4", "--arrival-rate", "100", "--dtype", "float32", "--no-progress", "--json", str(results),
-          "--plot", str(figures)])
-    return results, figures, json.loads(results.read_text())
 
 
 def table_rows(text: str, first_header: str) -> list[dict]:
@@ -46,7 +32,7 @@ def table_rows(text: str, first_header: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_prefill_measures_each_length_and_keeps_the_longest_under_its_old_key(bench_run):
-    _, _, data = bench_run
+    _, _, data, _ = bench_run
     assert [row["tokens"] for row in data["prefill_sweep"]] == [16, 40]
     assert all(row["ttft_ms"] > 0 and row["tok_s"] > 0 for row in data["prefill_sweep"])
     assert data["prefill"] == data["prefill_sweep"][1]
@@ -54,7 +40,7 @@ def test_prefill_measures_each_length_and_keeps_the_longest_under_its_old_key(be
 
 @pytest.mark.slow
 def test_serving_runs_report_ttft_and_itl_percentiles(bench_run):
-    _, _, data = bench_run
+    _, _, data, _ = bench_run
     for run in data["serve"]:
         for metric in ("ttft", "itl"):
             p50, p90, p99 = (run[f"{metric}_p{q}_ms"] for q in (50, 90, 99))
@@ -63,7 +49,7 @@ def test_serving_runs_report_ttft_and_itl_percentiles(bench_run):
 
 @pytest.mark.slow
 def test_results_record_command_commit_and_device(bench_run):
-    _, _, data = bench_run
+    _, _, data, _ = bench_run
     assert data["command"].startswith("python -m jaxmodels bench --config ")
     assert "--prefill-len 16,40" in data["command"]
     here = os.path.dirname(__file__)
@@ -80,7 +66,7 @@ def test_results_record_command_commit_and_device(bench_run):
 
 @pytest.mark.slow
 def test_bench_plot_writes_valid_pngs(bench_run):
-    _, figures, _ = bench_run
+    _, figures, _, _ = bench_run
     for name in FIGURES.values():
         path = figures / name
         assert path.stat().st_size > 0
@@ -93,27 +79,30 @@ def test_bench_plot_writes_valid_pngs(bench_run):
 def test_markdown_holds_the_numbers_of_the_json(bench_run):
     """Every number of the tables read back from the JSON, formatted as the tables say they are (tok/s whole,
     TTFT in ms to 0.1, ITL in ms to 0.01, ms per step to 0.01)."""
-    results, _, data = bench_run
+    results, _, data, _ = bench_run
     text = markdown([results])
     assert f"`{data['command']}` at {data['commit']}" in text
-    decode = {row["B"]: row for row in table_rows(text, "B")}
+    decode = {(row["B"], row["sampling"]): row for row in table_rows(text, "B")}
+    theirs = {row["batch"]: row for row in data["transformers"]["decode"]}
     for row in data["decode"]:
-        cells = decode[str(row["batch"])]
+        cells = decode[str(row["batch"]), row["sampling"]]
         assert cells["tok/s"] == f"{row['tok_s']:,.0f}"
         assert cells["floor tok/s"] == f"{row['floor_tok_s']:,.0f}"
         assert cells["ms / step"] == f"{row['step_ms']:.2f}"
-        assert cells["transformers tok/s"] == "-"  # no --compare-transformers
+        assert cells["transformers tok/s"] == f"{theirs[row['batch']]['tok_s']:,.0f}"
     prefill = {row["prompt tokens"]: row for row in table_rows(text, "prompt tokens")}
     assert list(prefill) == ["16", "40"]
+    theirs = {row["tokens"]: row for row in data["transformers"]["prefill_sweep"]}
     for row in data["prefill_sweep"]:
         cells = prefill[str(row["tokens"])]
         assert cells["TTFT ms"] == f"{row['ttft_ms']:,.1f}"
         assert cells["tok/s"] == f"{row['tok_s']:,.0f}"
+        assert cells["transformers TTFT ms"] == f"{theirs[row['tokens']]['ttft_ms']:,.1f}"
     serve = table_rows(text, "requests")
-    assert [cells["arrivals"] for cells in serve] == ["all at once", "100 arrivals/s"]
+    assert [cells["arrivals"] for cells in serve] == ["all at once", "50 arrivals/s"]
     for cells, run in zip(serve, data["serve"]):
         assert cells["output tok/s"] == f"{run['out_tok_s']:,.0f}"
-        assert cells["tokens in / out"] == "8 / 4"
+        assert cells["tokens in / out"] == "10 / 5"
         for q in (50, 90, 99):
             assert cells[f"TTFT p{q} ms"] == f"{run[f'ttft_p{q}_ms']:,.1f}"
             assert cells[f"ITL p{q} ms"] == f"{run[f'itl_p{q}_ms']:,.2f}"
