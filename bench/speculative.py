@@ -137,12 +137,14 @@ def per_token_ms(model, k: int, args, vocab: int, profile: str | None = None) ->
 
 
 def print_profile(llm, batch: int, args, vocab: int, rng, directory: str, steps: int = 8) -> None:
-    from jaxmodels.benchmark import profile_decode
-    from jaxmodels.profiling import HOST, format_host_table, format_op_table, op_table
+    from jaxmodels.benchmark import FIRST_DEVICE, profile_decode
+    from jaxmodels.profiling import (
+        HOST, device_occupancy, format_host_table, format_occupancy, format_op_table, op_table)
 
     profile_decode(llm, batch, args.prompt_len, steps, vocab, rng, directory)
     print(f"per-op device time of a step, k={llm.engine.num_speculative_tokens}, B={batch}:")
     print(format_op_table(op_table(directory), steps=steps))
+    print(format_occupancy(*device_occupancy(directory, FIRST_DEVICE), steps=steps))  # the host's gaps, if any
     print(format_host_table(op_table(directory, HOST), steps=steps))
 
 
