@@ -140,6 +140,9 @@ def arrange_devices(count: int, platform: str, argv: list[str]) -> str:
                                                                  *CPU_PLAN_FLAGS]))
     if not xla_bridge.backends_are_initialized():
         os.environ.update(environment)
+        # jax read JAX_PLATFORMS when it was imported (above): without this a GPU host short of `count` GPUs would
+        # start its GPU backend anyway and plan on it (XLA_FLAGS is read when the backends start)
+        jax.config.update("jax_platforms", environment["JAX_PLATFORMS"])
         return platform
     if jax.default_backend() == "cpu" and jax.device_count() >= count:
         return platform
