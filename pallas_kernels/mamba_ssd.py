@@ -194,7 +194,7 @@ def ssd_chunk_scan(x, dt, A, B, C, *, D, dt_bias, cu_seqlens, chunk_size, initia
     """Packed variable-length Mamba2 SSD scan: x[T,H,P], dt[T,H], A[H], B/C[T,G,N] -> (y[T,H,P], states[S,H,P,N]).
 
     `dt_limit=(lo, hi)` clamps dt after the softplus (mamba_ssm's `dt_limit`); None (the default) clamps nothing.
-    HF's NemotronH mixer passes `(config.time_step_min, inf)` here in its chunk path.
+    HF's NemotronH mixer passes its config's `time_step_limit` here in its chunk path.
     """
     _check_shapes(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states)
     dt_limit = _static_dt_limit(dt_limit)

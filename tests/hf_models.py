@@ -11,6 +11,9 @@ NEMOTRON_H_BASE = dict(
     vocab_size=97, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
     intermediate_size=40, mamba_num_heads=6, mamba_head_dim=6, ssm_state_size=8, n_groups=3, conv_kernel=4,
     chunk_size=8, layer_norm_epsilon=1e-5, initializer_range=0.1, tie_word_embeddings=False,
+    # The prompt path's dt clamp, written out: transformers >= 5.25 takes it from here (default (0, inf)), earlier
+    # versions clamped at time_step_min (0.001) whatever this said, so the tiny models mean the same to both.
+    time_step_limit=(0.001, float("inf")),
 )
 
 NEMOTRON_H_VARIANTS = {
@@ -40,7 +43,7 @@ def make_nemotron_h(variant: str, seed: int = 0, **overrides):
                 buf.copy_(torch.randn_like(buf) * 0.05)
         for layer in model.model.layers:
             if hasattr(layer.mixer, "dt_bias"):
-                # Spread dt so that some heads sit below time_step_min and exercise the clamp.
+                # Spread dt so that some heads sit below the clamp's floor (time_step_limit) and exercise it.
                 layer.mixer.dt_bias.copy_(torch.randn_like(layer.mixer.dt_bias) * 2 - 3)
     return model
 

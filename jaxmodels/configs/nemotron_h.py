@@ -1,6 +1,7 @@
 """Config of Nemotron-H hybrids (`model_type: nemotron_h`)."""
 
 import dataclasses
+import math
 
 from jaxmodels.configs.base import ConfigError, eos_token_ids, pop_alias, require_divisible, require_positive
 from jaxmodels.configs.quantization import Fp8Config, fp8_config_from_hf
@@ -36,7 +37,10 @@ class NemotronHConfig:
     use_conv_bias: bool = True
     mamba_proj_bias: bool = False
     mlp_bias: bool = False
-    time_step_min: float = 0.001
+    # dt's clamp in the prompt (chunked) path, as transformers (>= 5.25) and NVIDIA's reference code apply it:
+    # `time_step_limit` from the config, default (0, inf). (`time_step_min` only sets dt_bias's initialization; until
+    # 5.25 transformers clamped at it instead.)
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
     # MoE
@@ -105,7 +109,8 @@ class NemotronHConfig:
             use_conv_bias=pop_alias(raw, "use_conv_bias", "mamba_conv_bias", default=True),
             mamba_proj_bias=raw.get("mamba_proj_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
-            time_step_min=pop_alias(raw, "time_step_min", "mamba_dt_min", default=0.001),
+            time_step_limit=tuple(float(x) for x in pop_alias(raw, "time_step_limit", "mamba_dt_limit",
+                                                              default=(0.0, math.inf))),
             layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5),
             # transformers' NemotronH never ties its LM head to the embedding, whatever the flag says (its
             # `_tied_weights_keys` is empty): `lm_head.weight` is always its own tensor. Follow it, for parity.

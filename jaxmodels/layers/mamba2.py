@@ -1,8 +1,8 @@
 """Mamba2 mixer (Nemotron-H's `M` layers).
 
 in_proj splits into [z | x | B | C | dt]; x‖B‖C goes through a depthwise causal conv with SiLU; the SSD scan runs
-with dt = softplus(dt + dt_bias) clamped below at `time_step_min` (transformers' `time_step_limit` for this model),
-A = -exp(A_log) and the D skip; the output is gated-normed with z and projected back.
+with dt = softplus(dt + dt_bias) clamped to the config's `time_step_limit` (default (0, inf): no clamp), A =
+-exp(A_log) and the D skip; the output is gated-normed with z and projected back.
 
 The layer works on packed tokens (`cu_seqlens`), the layout of both the kernels and the serving engine; a batch of
 equal-length sequences is one such packing.
@@ -61,10 +61,10 @@ class DepthwiseConv1d(nnx.Module):
 
 class Mamba2Mixer(nnx.Module):
     def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
-                 conv_kernel: int, chunk_size: int, time_step_min: float, eps: float, rngs: nnx.Rngs,
+                 conv_kernel: int, chunk_size: int, dt_limit: tuple[float, float], eps: float, rngs: nnx.Rngs,
                  dtype=jnp.float32, conv_bias: bool = True, proj_bias: bool = False):
         self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
-        self.chunk_size, self.time_step_min, self.conv_kernel = chunk_size, time_step_min, conv_kernel
+        self.chunk_size, self.dt_limit, self.conv_kernel = chunk_size, tuple(dt_limit), conv_kernel
         self.intermediate = num_heads * head_dim
         self.conv_dim = self.intermediate + 2 * n_groups * state_size
         self.in_proj = linear(hidden_size, self.intermediate + self.conv_dim + num_heads, axes=("embed", "mamba"),
@@ -87,10 +87,10 @@ class Mamba2Mixer(nnx.Module):
                        dt_floor_mask=None):
         """hidden[T,D] packed by `cu_seqlens`[S+1] -> (out[T,D], conv_states[S,C,K-1], ssm_states[S,H,P,N]).
 
-        `dt_floor_mask` (bool[T], optional) applies the `time_step_min` floor to the marked tokens only. The serving
-        engine needs it when it recomputes a preempted request: transformers floors dt in its chunked (prompt) path
-        but not in its one-token decode path, so tokens that were first decoded must be recomputed unfloored to
-        reproduce the same state.
+        `dt_floor_mask` (bool[T], optional) applies the `time_step_limit` clamp to the marked tokens only. The serving
+        engine needs it when it recomputes a preempted request: transformers clamps dt in its chunked (prompt) path
+        but not in its one-token decode path, so tokens that were first decoded must be recomputed unclamped to
+        reproduce the same state (it matters only where a config sets a limit other than (0, inf)).
         """
         conv = functools.partial(pallas_kernels.causal_conv1d, initial_states=conv_states)
         gate, conv_states, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv, dt_floor_mask)
@@ -121,10 +121,10 @@ class Mamba2Mixer(nnx.Module):
         # columns").
         (x, bc), conv_states = conv(projected, self.conv1d.weight[...], self._conv_bias(), cu_seqlens=cu_seqlens,
                                     activation="silu", x_offset=self.intermediate, split_at=self.intermediate)
-        dt_args = dict(dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=(self.time_step_min, math.inf))
+        dt_args = dict(dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=self.dt_limit)
         if dt_floor_mask is not None:
             dt = self._softplus_dt(dt)
-            dt = jnp.where(dt_floor_mask[:, None], jnp.maximum(dt, self.time_step_min), dt)
+            dt = jnp.where(dt_floor_mask[:, None], jnp.clip(dt, *self.dt_limit), dt)
             dt_args = dict(dt_bias=None, dt_softplus=False, dt_limit=None)
         x, B, C = self._scan_operands(x, bc)
         return gate, conv_states, dict(x=x, dt=dt, A=self._A(), B=B, C=C, D=self.D[...], cu_seqlens=cu_seqlens,
@@ -159,7 +159,7 @@ class Mamba2Mixer(nnx.Module):
     def forward_decode(self, hidden: jax.Array, conv_pool: jax.Array, ssm_pool: jax.Array, slot_ids: jax.Array):
         """One token per request: hidden[B,D], state pools indexed by slot_ids[B] -> (out[B,D], conv_pool, ssm_pool).
 
-        No `time_step_min` floor here: transformers' recurrent (decode) path applies none, and greedy parity with
+        No `time_step_limit` clamp here: transformers' recurrent (decode) path applies none, and greedy parity with
         it is the contract. Slot 0 is the null slot of padded requests.
         """
         # The kernels read their pieces of the packed tensors at column offsets (and A from A_log) instead of
@@ -177,7 +177,7 @@ class Mamba2Mixer(nnx.Module):
     def forward_verify(self, hidden: jax.Array, step: StepContext, cache: MambaCache):
         """A verify step's L tokens per request, hidden[S*L, D] -> (out[S*L, D], MambaVerifyCache): outputs from
         each slot's state, the pools left as they were (see StepContext's VERIFY). Every token is a generated one, so
-        dt has no `time_step_min` floor (as in `forward_decode`), and each output is the decode recurrence's
+        dt has no `time_step_limit` clamp (as in `forward_decode`), and each output is the decode recurrence's
         (pallas_kernels.ssd_verify_scan_packed: the state read once, kept on chip over the L tokens)."""
         slots, num_seqs = step.slot_ids, step.num_seqs
         length = hidden.shape[0] // num_seqs

@@ -37,7 +37,7 @@ def build_mixer(config: NemotronHConfig, kind: str, *, rngs: nnx.Rngs, dtype) ->
         return Mamba2Mixer(
             hidden_size=config.hidden_size, num_heads=config.mamba_num_heads, head_dim=config.mamba_head_dim,
             state_size=config.ssm_state_size, n_groups=config.n_groups, conv_kernel=config.conv_kernel,
-            chunk_size=config.chunk_size, time_step_min=config.time_step_min, eps=config.layer_norm_epsilon,
+            chunk_size=config.chunk_size, dt_limit=config.time_step_limit, eps=config.layer_norm_epsilon,
             rngs=rngs, dtype=dtype, conv_bias=config.use_conv_bias, proj_bias=config.mamba_proj_bias)
     if kind == "attention":
         # transformers' NemotronH builds a plain causal mask and ignores `sliding_window`; so do we, for parity.

@@ -1,6 +1,8 @@
 """Engine parts on their own: buckets, allocators and scheduler (host only), sampler, Mamba recompute semantics,
 the launch thread's default."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,7 +127,7 @@ def test_recompute_reproduces_decoded_mamba_state():
     from jaxmodels.layers.mamba2 import Mamba2Mixer
 
     mixer = Mamba2Mixer(hidden_size=16, num_heads=4, head_dim=4, state_size=8, n_groups=2, conv_kernel=4,
-                        chunk_size=4, time_step_min=0.05, eps=1e-5, rngs=nnx.Rngs(0))
+                        chunk_size=4, dt_limit=(0.05, math.inf), eps=1e-5, rngs=nnx.Rngs(0))
     mixer.dt_bias[...] = jnp.asarray([-6.0, -4.0, -1.0, 0.5])  # softplus well below the floor on two heads
     hidden = jnp.asarray(np.random.default_rng(1).normal(size=(9, 16)), jnp.float32)
     prompt_len = 5

@@ -75,8 +75,12 @@ def test_pattern_letter_error_lists_valid_letters():
         load_config(legacy_form({**CANONICAL}) | {"hybrid_override_pattern": "MQ"})
 
 
-def test_time_step_min_default_matches_transformers():
-    assert math.isclose(load_config(CANONICAL).time_step_min, 0.001)
+def test_time_step_limit_defaults_to_no_clamp_and_reads_both_names():
+    """transformers >= 5.25 (and NVIDIA's reference code) clamp dt at the config's `time_step_limit`, default
+    (0, inf); `time_step_min` only initializes dt_bias."""
+    assert load_config(CANONICAL).time_step_limit == (0.0, math.inf)
+    assert load_config({**CANONICAL, "time_step_limit": [0.001, math.inf]}).time_step_limit == (0.001, math.inf)
+    assert load_config(legacy_form(CANONICAL) | {"mamba_dt_limit": [0.01, 0.1]}).time_step_limit == (0.01, 0.1)
 
 
 def test_mtp_pattern_equals_mtp_block_types():

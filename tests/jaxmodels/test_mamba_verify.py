@@ -4,6 +4,8 @@ drafts leaves exactly the conv window and SSM state of a + 1 decode steps, for e
 both run the decode recurrence, but in different XLA fusions, which may contract products into FMAs differently:
 hence a relative tolerance, 1e-5, a hundred float32 roundings)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ TOLERANCE = 1e-5
 def test_verify_then_commit_equals_decode_steps():
     length, slots, pages_per_seq = 4, 5, 2
     mixer = Mamba2Mixer(hidden_size=24, num_heads=6, head_dim=6, state_size=8, n_groups=3, conv_kernel=4,
-                        chunk_size=2, time_step_min=0.001, eps=1e-5, rngs=nnx.Rngs(0))
+                        chunk_size=2, dt_limit=(0.001, math.inf), eps=1e-5, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     shapes = mixer.cache_shape(slots, jnp.float32, jnp.float32)
     cache = MambaCache(conv=jnp.asarray(rng.normal(size=shapes.conv.shape), jnp.float32),
