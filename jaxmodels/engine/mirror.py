@@ -43,6 +43,7 @@ ADDRESS_KEY = "jaxmodels/mirror/{session}"  # in the coordinator's key-value sto
 PORT_ENV = "JAXMODELS_LEADER_PORT"  # the leader's port (default: any free one), e.g. for a firewall rule
 CONNECT_TIMEOUT_S = 600  # for every process to reach the rendezvous: they load and compile the model meanwhile
 STEP_TIMEOUT_S = 300  # a follower's step may take this long before the leader calls it hung
+CLOSE_TIMEOUT_S = 10  # at a stop, for a follower to finish its last step and hang up
 _HEADER = struct.Struct("<Q")
 # The nth `lead` of process 0 meets the nth `follow` of each other process (a session of its own in the store).
 _leads, _follows = itertools.count(), itertools.count()
@@ -159,7 +160,10 @@ class LeadingEngine:
         if self._watcher.is_alive() and threading.current_thread() is not self._watcher:
             self._watcher.join()
         for connection in self._followers.values():
-            connection.close()
+            if reason is None:  # a normal stop: let each follower finish
+                _hang_up(connection)
+            else:  # a failed job: the owner hears of it now, not after a hung follower's timeout
+                connection.close()
 
     def _watch(self) -> None:
         """Read what the followers send (a finished step, or why they failed) and call a follower hung once it has
@@ -206,6 +210,21 @@ class LeadingEngine:
                 self._fail(f"process {index} has not finished step {finished + 1} in {late:.0f} s (it hangs, or "
                            f"its steps take longer than {self._step_timeout_s:.0f} s)")
                 return
+
+
+def _hang_up(connection: socket.socket) -> None:
+    """Close a follower's connection once it has hung up too. A follower may still be sending its last "finished"
+    when the stop goes out: closing with that unread would reset the connection (TCP answers unread data with a
+    reset), and the follower's send would fail with a broken pipe. So stop writing, read until the follower
+    closes (it does on "stop") or CLOSE_TIMEOUT_S pass, then close."""
+    try:
+        connection.shutdown(socket.SHUT_WR)
+        connection.settimeout(CLOSE_TIMEOUT_S)
+        while connection.recv(1 << 16):
+            pass
+    except OSError:
+        pass  # gone already, or silent past the timeout
+    connection.close()
 
 
 def _failed_here(error: Exception) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import socket
 import threading
+import time
 import types
 
 import pytest
@@ -141,6 +142,20 @@ def test_the_follower_repeats_the_leaders_calls_and_steps_until_it_stops():
     follower.join()
     assert follower.error is None
     assert follower.engine.log == [entry for entry in leader.engine.log if entry != ("close",)]
+    assert follower.engine.log.count(("step",)) == 2
+
+
+def test_a_follower_still_finishing_its_last_step_at_a_close_stops_cleanly():
+    """The close's stop goes out while the follower is in its last step; its "finished" then reaches a leader that
+    has stopped reading. Closing over that unread message reset the connection, and the follower's send failed with
+    a broken pipe (seen once in the suite); the leader now reads until the follower hangs up."""
+    leader, follower = leader_and_follower(following=FakeEngine(on_step=lambda n: time.sleep(0.3)))
+    for _ in range(2):
+        leader.add_request([1], "greedy")
+        leader.step()
+    leader.close()
+    follower.join()
+    assert follower.error is None
     assert follower.engine.log.count(("step",)) == 2
 
 
