@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -41,6 +41,12 @@ for what in "$@"; do
     suite_a) OUT="$OUT/suite_a" GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash "$0" suite ;;
     suite_b) OUT="$OUT/suite_b" GPU_CHECK_TESTS="tests/jaxmodels tests/bridge tests/sharding tests/serve" \
         bash "$0" suite ;;
+    # BENCHMARKS.md's current results (issue 43): the serving benchmark with transformers beside it, one model class a
+    # call (RESULTS_CONFIGS), JSON and figures under $OUT; `python -m jaxmodels bench-report` renders them.
+    results) for config in ${RESULTS_CONFIGS:-nemotron_h_nano9b}; do echo "--- $config"
+          timeout "${RESULTS_TIMEOUT:-560}" python3 -m jaxmodels bench --no-progress --config "bench/configs/$config.json" \
+            --compare-transformers --prefill-len 1024,4096,16384 --label "$config" \
+            --json "$OUT/results_$config.json" --plot "$OUT/figures_$config" 2>&1 | grep -v Warning | tail -40; done ;;
     spec) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 1,32 --ks 1,2,3 \
         --json "$OUT/spec.json" 2>&1 | grep -v Warning | tail -30 ;;
     spec_noisy) for config in ${SPEC_CONFIGS:-nemotron_h_nano9b deepseek_v32_4layer}; do echo "--- $config"
