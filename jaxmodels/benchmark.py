@@ -43,6 +43,7 @@ import time
 import numpy as np
 
 from jaxmodels.benchmark_floors import decode_floor_s, model_costs, prefill_floor_s
+from jaxmodels.benchmark_report import PERCENTILES, their_prefill_rows
 from jaxmodels.engine.grammar import GrammarSpec
 from jaxmodels.step_context import StepKind
 
@@ -112,9 +113,6 @@ def percentile_ms(values, q) -> float:
     return float(np.percentile(values, q) * 1e3) if len(values) else float("nan")
 
 
-LATENCY_PERCENTILES = (50, 90, 99)
-
-
 def latency_percentiles(arrived: dict, token_times: dict) -> dict:
     """TTFT and inter-token latency percentiles in ms (`ttft_p50_ms`, ..., `itl_p99_ms`) from each request's
     arrival and the times its tokens came (seconds, by request id). An ITL is the gap between two consecutive
@@ -123,7 +121,7 @@ def latency_percentiles(arrived: dict, token_times: dict) -> dict:
     itl = np.concatenate([np.diff(times) for times in token_times.values()] + [np.zeros(0)])
     out = {}
     for name, values in (("ttft", ttft), ("itl", itl)):
-        out.update({f"{name}_p{q}_ms": percentile_ms(values, q) for q in LATENCY_PERCENTILES})
+        out.update({f"{name}_p{q}_ms": percentile_ms(values, q) for q in PERCENTILES})
     return out
 
 
@@ -561,8 +559,8 @@ def report(results: dict) -> None:
                                         ("% of floor", "of_floor", ".0%"),
                                         ("transformers tok/s", "transformers_tok_s", ",.0f")]))
     if "prefill" in results:
-        rows = results.get("prefill_sweep", [results["prefill"]])
-        their_prefill = {row.get("tokens"): row for row in theirs.get("prefill_sweep", [theirs.get("prefill", {})])}
+        rows = results["prefill_sweep"]
+        their_prefill = {row["tokens"]: row for row in their_prefill_rows(results)}
         for row in rows:
             theirs_row = their_prefill.get(row["tokens"], {})
             row["transformers_ttft_ms"] = theirs_row.get("ttft_ms", theirs_row.get("error", "-"))

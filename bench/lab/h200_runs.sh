@@ -44,8 +44,8 @@ for what in "$@"; do
     # BENCHMARKS.md's current results (issue 43): the serving benchmark with transformers beside it, one model class a
     # call (RESULTS_CONFIGS), JSON and figures under $OUT; `python -m jaxmodels bench-report` renders them.
     results) for config in ${RESULTS_CONFIGS:-nemotron_h_nano9b}; do echo "--- $config"
-          timeout "${RESULTS_TIMEOUT:-560}" python3 -m jaxmodels bench --no-progress --config "bench/configs/$config.json" \
-            --compare-transformers --prefill-len 1024,4096,16384 --label "$config" \
+          timeout "${RESULTS_TIMEOUT:-560}" python3 -m jaxmodels bench --no-progress \
+            --config "bench/configs/$config.json" --compare-transformers --prefill-len 1024,4096,16384 --label "$config" \
             --json "$OUT/results_$config.json" --plot "$OUT/figures_$config" 2>&1 | grep -v Warning | tail -40; done ;;
     spec) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 1,32 --ks 1,2,3 \
         --json "$OUT/spec.json" 2>&1 | grep -v Warning | tail -30 ;;
