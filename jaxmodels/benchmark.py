@@ -65,6 +65,9 @@ def cut_layers(raw: dict, layers: int | None) -> dict:
     return raw
 
 
+PREFILL_REPEATS = 3  # timed prompts per prefill length, the median reported (ours and transformers')
+
+
 def random_model(raw: dict, dtype: str, calibration_tokens: int = 512):
     """Our model for `raw` with random weights, initialised directly on the default device, its MoE routing
     balanced (`balance_routing`). With a block-scaled FP8 `quantization_config` in `raw`, the layers it quantizes
@@ -215,7 +218,7 @@ def decode_phase(llm, costs, batch: int, prompt_len: int, steps: int, vocab: int
                 host_share=host_s / step_s, floor_ms=floor * 1e3, floor_tok_s=batch / floor, of_floor=floor / step_s)
 
 
-def prefill_phase(llm, costs, length: int, vocab: int, rng, repeats: int = 3) -> dict:
+def prefill_phase(llm, costs, length: int, vocab: int, rng, repeats: int = PREFILL_REPEATS) -> dict:
     from jaxmodels import SamplingParams
 
     times = []

@@ -145,7 +145,8 @@ def draw_serve(figure, results_list) -> None:
             heights = [number(run.get(f"{metric}_p{q}_ms")) for _, run in runs]
             xs = [j + (k - (len(PERCENTILES) - 1) / 2) * width for j in range(len(runs))]
             ax.bar(xs, [h if h is not None else 0.0 for h in heights], width, label=f"p{q}", color=f"C{k}")
-        ax.set_xticks(range(len(runs)), [name for name, _ in runs], fontsize=8)
+        ax.set_xticks(range(len(runs)), [name for name, _ in runs], fontsize=8, rotation=35, ha="right")
+        ax.set_yscale("log")  # all-at-once TTFTs are seconds, paced ones tens of ms
         ax.set_ylabel("ms")
         ax.set_title(f"{title} (serving runs)")
         finish(ax)
