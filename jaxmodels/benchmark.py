@@ -355,9 +355,11 @@ COMMIT_ENV = "JAXMODELS_COMMIT"
 
 
 def source_commit() -> str:
-    """The short hash of the commit this code was checked out at, with "-dirty" when tracked files differ from it;
-    where the code is no git checkout (a copy on a GPU machine, an installed wheel): $JAXMODELS_COMMIT if set, else
-    "unknown"."""
+    """$JAXMODELS_COMMIT when set (a copy of the tree on a GPU machine may carry a stale .git: the device tool's
+    copy reported its first session's commit, "-dirty", for code two commits later); else the short hash of the
+    commit this code was checked out at, with "-dirty" when tracked files differ from it; else "unknown"."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     package = os.path.dirname(os.path.abspath(__file__))
 
     def git(*command):
@@ -370,7 +372,7 @@ def source_commit() -> str:
             return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):  # no git installed, or a hung one
         pass
-    return os.environ.get(COMMIT_ENV) or "unknown"
+    return "unknown"
 
 
 def provenance(argv: list[str], prog: str | None) -> dict:

@@ -194,15 +194,14 @@ def markdown_results(results_list: list[dict], figures: list[str] | None = None)
 
 
 def section(results: dict) -> str:
+    """The run's heading and provenance, then its tables (each phase measured): decode against concurrency (B),
+    prefill against prompt length (prompt tokens), the serving runs (requests); the first column names the phase."""
     parts = [f"### {label_of(results)}", provenance_line(results)]
     if results.get("decode"):
-        parts.append("Decode, output tok/s against concurrency (steady steps, every row a real request):")
         parts.append(decode_table(results))
     if prefill_rows(results):
-        parts.append("Prefill, one prompt, time to first token against prompt length:")
         parts.append(prefill_table(results))
     if results.get("serve"):
-        parts.append("Serving run:")
         parts.append(serve_table(results))
     return "\n\n".join(parts)
 

@@ -174,7 +174,7 @@ def test_every_http_route_is_documented():
     assert sorted(route for route in routes if not re.search(rf"(?<![\w/]){re.escape(route)}(?![\w/])", serving)) == []
 
 
-@pytest.mark.parametrize("page", PAGES, ids=page_id)
+@pytest.mark.parametrize("page", [*PAGES, os.path.join(ROOT, "docs", "BENCHMARKS.md")], ids=page_id)
 def test_named_files_and_links_exist(page):
     """Repository paths in a page's text and its relative links name files or folders that exist."""
     text = read(page)

@@ -42,10 +42,13 @@ for what in "$@"; do
     suite_b) OUT="$OUT/suite_b" GPU_CHECK_TESTS="tests/jaxmodels tests/bridge tests/sharding tests/serve" \
         bash "$0" suite ;;
     # BENCHMARKS.md's current results (issue 43): the serving benchmark with transformers beside it, one model class a
-    # call (RESULTS_CONFIGS), JSON and figures under $OUT; `python -m jaxmodels bench-report` renders them.
+    # call (RESULTS_CONFIGS; NAME_fp8: NAME's config in block FP8, no comparator), JSON and figures under $OUT;
+    # `python -m jaxmodels bench-report` renders them. Set JAXMODELS_COMMIT: the device's copy has no current .git.
     results) for config in ${RESULTS_CONFIGS:-nemotron_h_nano9b}; do echo "--- $config"
-          timeout "${RESULTS_TIMEOUT:-560}" python3 -m jaxmodels bench --no-progress \
-            --config "bench/configs/$config.json" --compare-transformers --prefill-len 1024,4096,16384 --label "$config" \
+          case $config in *_fp8) flags="--config bench/configs/${config%_fp8}.json --fp8-block" ;;
+                          *) flags="--config bench/configs/$config.json --compare-transformers" ;; esac
+          timeout "${RESULTS_TIMEOUT:-560}" python3 -m jaxmodels bench --no-progress $flags \
+            --prefill-len 1024,4096,16384 --label "$config" \
             --json "$OUT/results_$config.json" --plot "$OUT/figures_$config" 2>&1 | grep -v Warning | tail -40; done ;;
     spec) python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 1,32 --ks 1,2,3 \
         --json "$OUT/spec.json" 2>&1 | grep -v Warning | tail -30 ;;

@@ -53,13 +53,15 @@ def test_results_record_command_commit_and_device(bench_run):
     assert data["command"].startswith("python -m jaxmodels bench --config ")
     assert "--prefill-len 16,40" in data["command"]
     here = os.path.dirname(__file__)
-    if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, cwd=here).returncode == 0:
+    if os.environ.get(COMMIT_ENV):  # named by the caller (a copy on a GPU machine), before any .git it carries
+        assert data["commit"] == os.environ[COMMIT_ENV]
+    elif subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, cwd=here).returncode == 0:
         # A commit of this checkout (not necessarily HEAD now: a commit made since the run moves HEAD).
         kind = subprocess.run(["git", "cat-file", "-t", data["commit"].removesuffix("-dirty")], capture_output=True,
                               text=True, cwd=here)
         assert kind.stdout.strip() == "commit"
     else:  # a copy of the sources without git
-        assert data["commit"] == os.environ.get(COMMIT_ENV, "unknown")
+        assert data["commit"] == "unknown"
     assert data["device"] == jax.devices()[0].device_kind
     assert data["jax_version"] == jax.__version__
 
@@ -165,3 +167,18 @@ def test_latency_percentiles_of_one_token_per_request_have_no_itl():
     got = latency_percentiles({0: 0.0, 1: 0.0}, {0: [0.25], 1: [0.75]})
     assert got["ttft_p50_ms"] == pytest.approx(500.0)
     assert all(np.isnan(got[f"itl_p{q}_ms"]) for q in (50, 90, 99))
+
+
+def test_named_commit_wins_over_the_checkout(monkeypatch):
+    """A copy of the tree on a GPU machine can carry a stale .git; the commit the caller names is the one recorded."""
+    from jaxmodels.benchmark import source_commit
+
+    monkeypatch.setenv(COMMIT_ENV, "abc1234")
+    assert source_commit() == "abc1234"
+    monkeypatch.delenv(COMMIT_ENV)
+    here = os.path.dirname(__file__)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
+    if head.returncode == 0:
+        assert source_commit().removesuffix("-dirty") == head.stdout.strip()
+    else:
+        assert source_commit() == "unknown"
