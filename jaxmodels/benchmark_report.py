@@ -187,6 +187,12 @@ def markdown(results_json_paths, figures: list[str] | None = None) -> str:
     return markdown_results(load(results_json_paths), figures)
 
 
+def links_from(markdown_path: str, paths) -> list[str]:
+    """`paths` as a markdown file at `markdown_path` links them (relative to its directory)."""
+    base = os.path.dirname(os.path.abspath(markdown_path))
+    return [os.path.relpath(os.path.abspath(path), base) for path in paths]
+
+
 def markdown_results(results_list: list[dict], figures: list[str] | None = None) -> str:
     parts = [f"![{os.path.splitext(os.path.basename(path))[0].replace('_', ' ')}]({path})" for path in figures or []]
     parts += [section(results) for results in results_list]
@@ -291,8 +297,6 @@ def main(argv=None, prog: str | None = None) -> None:
     if args.markdown is None:
         print(markdown_results(results_list))
         return
-    base = os.path.dirname(os.path.abspath(args.markdown))
-    links = [os.path.relpath(os.path.abspath(path), base) for path in figures]
     with open(args.markdown, "w") as f:
-        f.write(markdown_results(results_list, links))
+        f.write(markdown_results(results_list, links_from(args.markdown, figures)))
     print(f"tables: {args.markdown}")

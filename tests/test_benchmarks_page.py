@@ -6,7 +6,7 @@ import os
 import re
 import shlex
 
-from jaxmodels.benchmark_report import FIGURES, load, markdown_results
+from jaxmodels.benchmark_report import FIGURES, links_from, load, markdown_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "BENCHMARKS.md")
@@ -42,7 +42,7 @@ def test_the_serving_tables_are_bench_reports_of_the_results():
     plot_dir = words[words.index("--plot") + 1]
     assert jsons and sorted(jsons) == sorted(
         os.path.join(ROOT, "docs", "results", name) for name in os.listdir(os.path.join(ROOT, "docs", "results")))
-    figures = [os.path.relpath(os.path.join(ROOT, plot_dir, name), os.path.dirname(PAGE)) for name in FIGURES.values()]
+    figures = links_from(PAGE, [os.path.join(ROOT, plot_dir, name) for name in FIGURES.values()])
     generated = text.split(BEGIN, 1)[1].split(END, 1)[0]
     assert generated.strip() == markdown_results(load(jsons), figures).strip()
     for figure in figures:
