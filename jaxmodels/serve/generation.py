@@ -213,12 +213,15 @@ class _ChoiceText:
     def add(self, token_ids: list[int], finish_reason: str | None, logprobs: list | None = None) -> Delta | None:
         """The delta to send now, or None while everything new is held back. `logprobs`: one (logprob, top) per
         token, with logprobs."""
+        text, starts, kept = self._text(token_ids, finish_reason)
+        # The tokens after the one that completed a stop string are not part of the choice, however many of them
+        # the engine's step (or the event loop's lag) delivered in this batch.
+        token_ids = token_ids[:kept]
         self.num_tokens += len(token_ids)
         self._unsent += token_ids
-        text, starts = self._text(token_ids, finish_reason)
         if self.logprobs:
             self._unsent_logprobs += [TokenLogprob(token, logprob, top, start) for token, (logprob, top), start
-                                      in zip(token_ids, logprobs, starts, strict=True)]
+                                      in zip(token_ids, logprobs[:kept], starts, strict=True)]
         if self.stops.matched:
             finish_reason = "stop"
         elif finish_reason is not None:
@@ -235,34 +238,41 @@ class _ChoiceText:
         self._unsent, self._unsent_logprobs = [], []
         return delta
 
-    def _text(self, token_ids: list[int], finish_reason: str | None) -> tuple[str, list[int]]:
-        """The new text past the stop strings, and (with logprobs) where each token's text starts in the decoded
-        output. With special tokens kept, the end-of-sequence (or stop_token_ids) token that stopped the output is
-        left out: it ends the message, it is not part of it (skipping special tokens drops it otherwise)."""
+    def _text(self, token_ids: list[int], finish_reason: str | None) -> tuple[str, list[int], int]:
+        """The new text past the stop strings, (with logprobs) where each token's text starts in the decoded output,
+        and how many of the tokens the choice keeps: all of them, or those up to the one whose text completes a stop
+        string. With special tokens kept, the end-of-sequence (or stop_token_ids) token that stopped the output is
+        left out of the text: it ends the message, it is not part of it (skipping special tokens drops it otherwise)."""
         if self.detokenizer is None:
-            return "", [0] * len(token_ids)
+            return "", [0] * len(token_ids), len(token_ids)
         ended_by_token = finish_reason == "stop" and self.keeps_special_tokens and bool(token_ids)
-        decoded, starts = self._decode(token_ids[:-1] if ended_by_token else token_ids)
+        text, starts, kept = self._decode(token_ids[:-1] if ended_by_token else token_ids)
+        if self.stops.matched:
+            return text, starts, kept
         if ended_by_token and self.logprobs:
             starts.append(self._decoded_chars)
-        text = self.stops.add(decoded)
-        if finish_reason is not None and not self.stops.matched:
+        if finish_reason is not None:
             text += self.stops.add(self.detokenizer.flush())
-        return text, starts
+        return text, starts, len(token_ids)
 
-    def _decode(self, token_ids: list[int]) -> tuple[str, list[int]]:
-        """The text the tokens complete, and (with logprobs) where each one's text starts. With logprobs they go
-        into the detokenizer one at a time, so that each one's start is the same whatever batches they came in."""
-        if not self.logprobs:
-            text = self.detokenizer.add(token_ids)
-            self._decoded_chars += len(text)
-            return text, []
+    def _decode(self, token_ids: list[int]) -> tuple[str, list[int], int]:
+        """The text the tokens complete past the stop strings, (with logprobs) where each one's text starts, and how
+        many tokens were read: up to the first whose text completes a stop string. With logprobs or stop strings the
+        tokens go into the detokenizer one at a time, so that each one's start, and the token a stop string ends on,
+        are the same whatever batches they came in."""
+        if not self.logprobs and not self.stops.stops:
+            decoded = self.detokenizer.add(token_ids)
+            self._decoded_chars += len(decoded)
+            return self.stops.add(decoded), [], len(token_ids)
         pieces, starts = [], []
-        for token in token_ids:
+        for read, token in enumerate(token_ids, start=1):
             starts.append(self._decoded_chars)
-            pieces.append(self.detokenizer.add([token]))
-            self._decoded_chars += len(pieces[-1])
-        return "".join(pieces), starts
+            decoded = self.detokenizer.add([token])
+            self._decoded_chars += len(decoded)
+            pieces.append(self.stops.add(decoded))
+            if self.stops.matched:
+                return "".join(pieces), starts if self.logprobs else [], read
+        return "".join(pieces), starts if self.logprobs else [], len(token_ids)
 
     def _parts(self, text: str, finish_reason: str | None) -> list:
         if self.chat_output is None:

@@ -190,6 +190,35 @@ def test_held_back_text_keeps_logprobs_in_order_through_the_parsers():
         assert body["choices"][0]["message"]["tool_calls"]  # the parsers did read the output
 
 
+@pytest.mark.parametrize("logprobs", [False, True], ids=["text", "with_logprobs"])
+def test_a_stop_string_ends_the_tokens_at_the_one_completing_it_whatever_the_batches(logprobs):
+    """The engine may hand over several tokens at once (a step's worth, or the event loop's backlog): the choice's
+    tokens, logprobs and count end at the token whose text completes the stop string in every batching."""
+    from jaxmodels.serve.generation import _ChoiceText
+    from tests.serve.checkpoint import byte_level_tokenizer
+    from tests.serve.test_server import spanning_stop
+
+    tokenizer = byte_level_tokenizer()
+    token_ids = tokenizer.encode("Hello world! How are you today? The quick brown fox.").ids
+    stop, start = spanning_stop(tokenizer, token_ids)
+    ends_at = next(k for k in range(1, len(token_ids) + 1) if stop in tokenizer.decode(token_ids[:k]))
+    assert ends_at < len(token_ids) - 2  # tokens follow the stop: a batch can hold them
+    scores = [(-0.25 * i, [(token, -0.25 * i)]) for i, token in enumerate(token_ids)]
+    for batch in (1, 2, 3, len(token_ids)):
+        choice = _ChoiceText(0, tokenizer, [stop], logprobs=logprobs)
+        deltas = []
+        for i in range(0, len(token_ids), batch):
+            if choice.finish_reason is None:  # as Generation.deltas: what comes after the end is dropped
+                deltas.append(choice.add(token_ids[i:i + batch], None, scores[i:i + batch] if logprobs else None))
+        deltas = [d for d in deltas if d is not None]
+        assert [t for d in deltas for t in d.token_ids] == token_ids[:ends_at]
+        assert choice.num_tokens == ends_at and deltas[-1].finish_reason == "stop"
+        assert "".join(d.text for d in deltas) == tokenizer.decode(token_ids)[:start]
+        if logprobs:
+            assert [(e.token, e.logprob) for d in deltas for e in d.logprobs] == [
+                (t, lp) for t, (lp, _) in zip(token_ids[:ends_at], scores)]
+
+
 # --- the adjustments -----------------------------------------------------------------------------------------------
 
 def test_a_strong_logit_bias_forces_a_token(server):
