@@ -27,9 +27,11 @@ if not glob.glob("/dev/nvidia[0-9]*"):  # CPU only: tests compile faster; a GPU 
     # on the 2-core CI machine. Not level 0 (1.4 s): there the code XLA emits contracts no multiply-add into an FMA
     # while the Eigen kernels it calls for other shapes do, so a paged-attention request alone and in a batch differed
     # by an ulp; from level 1 on, both contract as at level 3.
-    if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                                        "--xla_backend_optimization_level=1"]))
+    # And XLA's older loop emitters for CPU fusions instead of its MLIR fusion emitters, which build an MLIR context
+    # and pipeline per fusion: a tiny engine's programs compile in ~25% less time, an eager op in ~35% less.
+    for flag, value in (("--xla_backend_optimization_level", "1"), ("--xla_cpu_use_fusion_emitters", "false")):
+        if flag not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), f"{flag}={value}"]))
     # One JAX compilation cache per test run, new each time (so no outcome depends on an earlier run), shared by
     # the xdist workers (they inherit the controller's environment): tests that build the same engine load each
     # other's step programs. Programs that compile in under 0.2 s are not stored, so that a test's own tiny jit
