@@ -256,23 +256,23 @@ class _ChoiceText:
         return text, starts, len(token_ids)
 
     def _decode(self, token_ids: list[int]) -> tuple[str, list[int], int]:
-        """The text the tokens complete past the stop strings, (with logprobs) where each one's text starts, and how
-        many tokens were read: up to the first whose text completes a stop string. With logprobs or stop strings the
-        tokens go into the detokenizer one at a time, so that each one's start, and the token a stop string ends on,
-        are the same whatever batches they came in."""
+        """The text the tokens complete past the stop strings, where each one's text starts, and how many tokens were
+        read: up to the first whose text completes a stop string. With logprobs or stop strings the tokens go into
+        the detokenizer one at a time, so that each one's start, and the token a stop string ends on, are the same
+        whatever batches they came in; with neither, they go in at once (no starts: nobody reads them)."""
         if not self.logprobs and not self.stops.stops:
             decoded = self.detokenizer.add(token_ids)
             self._decoded_chars += len(decoded)
             return self.stops.add(decoded), [], len(token_ids)
         pieces, starts = [], []
-        for read, token in enumerate(token_ids, start=1):
+        for token in token_ids:
             starts.append(self._decoded_chars)
             decoded = self.detokenizer.add([token])
             self._decoded_chars += len(decoded)
             pieces.append(self.stops.add(decoded))
             if self.stops.matched:
-                return "".join(pieces), starts if self.logprobs else [], read
-        return "".join(pieces), starts if self.logprobs else [], len(token_ids)
+                break
+        return "".join(pieces), starts, len(starts)
 
     def _parts(self, text: str, finish_reason: str | None) -> list:
         if self.chat_output is None:
