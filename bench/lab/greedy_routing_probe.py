@@ -1,12 +1,13 @@
 """How many distinct next tokens, and distinct experts per MoE layer, a batch of random prompts gets from greedy
-decoding of the benchmark's random model (`jaxmodels.benchmark.random_model`, routing balanced on a prompt).
+decoding of the benchmark's random model (`jaxmodels.benchmark.random_model`: routing balanced and LM head centered
+on a prompt; `--uncentered-head` leaves the head as drawn, where greedy decoding collapses onto a few tokens).
 
 The serving benchmark's floor assumes each token picks its experts uniformly; this shows whether the benchmark's own
 decode tokens do. Runs on the CPU; `--moe-intermediate` cuts the experts' width so the real hidden size and depth fit
 in memory (routing depends on the hidden states, not on the experts' width beyond their output's scale).
 
     PYTHONPATH=. python bench/lab/greedy_routing_probe.py --config bench/configs/nemotron_h_nano30b_a3b.json \
-        --moe-intermediate 64 --batch 32 --steps 1
+        --moe-intermediate 64 --batch 32 --steps 4 [--uncentered-head]
 """
 
 import argparse
@@ -22,6 +23,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--uncentered-head", action="store_true",
+                        help="leave the LM head as drawn (random_model centers it: jaxmodels.benchmark.center_lm_head)")
     args = parser.parse_args()
 
     import jax.numpy as jnp
@@ -33,7 +36,7 @@ def main() -> None:
         raw = json.load(f)
     if args.moe_intermediate:
         raw["moe_intermediate_size"] = args.moe_intermediate
-    model = random_model(raw, "bfloat16")
+    model = random_model(raw, "bfloat16", center_head=not args.uncentered_head)
     experts, k = raw["n_routed_experts"], raw["num_experts_per_tok"]
     uniform = experts * (1 - (1 - k / experts) ** args.batch)
     ids = jnp.asarray(np.random.default_rng(0).integers(3, raw["vocab_size"], size=(args.batch, args.prompt_len)))

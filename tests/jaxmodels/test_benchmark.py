@@ -4,11 +4,12 @@ transformers comparator included, and reports every phase."""
 import json
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from jaxmodels.__main__ import main
-from jaxmodels.benchmark import FP8_BLOCK_QUANTIZATION
+from jaxmodels.benchmark import FP8_BLOCK_QUANTIZATION, center_lm_head
 from jaxmodels.benchmark_floors import model_costs
 from jaxmodels.families import load_config
 from jaxmodels.layers.fp8_linear import Fp8ExpertStack, Fp8Linear
@@ -53,6 +54,29 @@ def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread
 
 
 TINY_DSA = TINY_CONFIGS["deepseek_v32"]
+
+
+def test_centered_lm_head_scores_nothing_along_the_shared_direction():
+    """center_lm_head removes from the head the mean direction of the hidden states it is given (random weights
+    push every token's state along one shared vector, and greedy decoding then picks the same tokens for every
+    request): the mean state scores zero on every token, a state orthogonal to it keeps its scores, and the head
+    keeps its shape and dtype."""
+    model = build_from_config(TINY_DSA)
+    size = model.config.hidden_size
+    rng = np.random.default_rng(0)
+    shared = 10 * rng.standard_normal(size)
+    hidden = (shared + rng.standard_normal((1, 16, size))).astype(np.float32)  # [1, T, H], as balance_routing's
+    mean = hidden.reshape(-1, size).mean(axis=0)
+    orthogonal = rng.standard_normal(size)
+    orthogonal -= (orthogonal @ mean) / (mean @ mean) * mean
+    kernel = model.lm_head.kernel[...]
+    before = np.asarray(model.logits(jnp.asarray(np.stack([mean, orthogonal]), jnp.float32)))
+    center_lm_head(model, jnp.asarray(hidden))
+    after = np.asarray(model.logits(jnp.asarray(np.stack([mean, orthogonal]), jnp.float32)))
+    assert model.lm_head.kernel.shape == kernel.shape and model.lm_head.kernel.dtype == kernel.dtype
+    assert np.abs(before[0]).max() > 1  # the mean state did score tokens
+    assert np.abs(after[0]).max() < 1e-5 * np.abs(before[0]).max()
+    np.testing.assert_allclose(after[1], before[1], rtol=1e-5, atol=1e-5 * np.abs(before[1]).max())
 
 
 def test_fp8_block_model_holds_fp8_weights_and_its_floors_count_their_bytes():
