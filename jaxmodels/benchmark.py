@@ -127,6 +127,7 @@ def center_lm_head(model, hidden) -> None:
     trained model's do. The head keeps its shape and dtype, so the step's cost is unchanged. Tied embeddings are left
     as they are: the head is the input embedding there, and changing it would change every layer's input.
     """
+    import jax
     import jax.numpy as jnp
 
     if model.config.tie_word_embeddings:
@@ -135,7 +136,8 @@ def center_lm_head(model, hidden) -> None:
     unit = mean / jnp.linalg.norm(mean)
     kernel = model.lm_head.kernel  # [H, V]
     weights = jnp.asarray(kernel[...], jnp.float32)
-    kernel.set_value((weights - jnp.outer(unit, unit @ weights)).astype(kernel.dtype))
+    along = jnp.matmul(unit, weights, precision=jax.lax.Precision.HIGHEST)  # float32, not the GPU's default TF32
+    kernel.set_value((weights - jnp.outer(unit, along)).astype(kernel.dtype))
 
 
 def percentile_ms(values, q) -> float:

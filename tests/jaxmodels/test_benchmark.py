@@ -56,7 +56,7 @@ def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread
 TINY_DSA = TINY_CONFIGS["deepseek_v32"]
 
 
-def test_centered_lm_head_scores_nothing_along_the_shared_direction():
+def test_centered_lm_head_scores_nothing_along_the_shared_direction(float32_matmuls):
     """center_lm_head removes from the head the mean direction of the hidden states it is given (random weights
     push every token's state along one shared vector, and greedy decoding then picks the same tokens for every
     request): the mean state scores zero on every token, a state orthogonal to it keeps its scores, and the head
