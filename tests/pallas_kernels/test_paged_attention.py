@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _dispatch, paged_attention, paged_attention_reference
+from tests.bitwise import jit_contracting_fmas
 
 # The package re-exports the function under the module's name, so fetch the module itself.
 pa = importlib.import_module("pallas_kernels.paged_attention")
@@ -153,9 +154,8 @@ def test_kernel_request_alone_equals_request_in_padded_batch():
     batch = make_problem(5, [(21, 5)] + MIXED, MIXED_TOKENS + 5, **GQA5)
     alone = dict(batch, q=batch["q"][:5], page_table=batch["page_table"][:1], cu_seqlens=jnp.array([0, 5], jnp.int32),
                  positions=batch["positions"][:5])
-    options = dict(block_q=2, block_k=16, num_splits=2)
-    np.testing.assert_array_equal(np.asarray(run(alone, 0.5, "pallas", **options)),
-                                  np.asarray(run(batch, 0.5, "pallas", **options))[:5])
+    kernel = jit_contracting_fmas(lambda p: run(p, 0.5, "pallas", block_q=2, block_k=16, num_splits=2))
+    np.testing.assert_array_equal(np.asarray(kernel(alone)), np.asarray(kernel(batch))[:5])
 
 
 def test_default_tiles():
