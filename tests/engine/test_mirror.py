@@ -232,21 +232,43 @@ def test_a_follower_with_other_limits_is_refused_by_name():
 
 
 def test_a_connection_without_the_secret_is_refused_and_the_follower_still_joins():
-    board = Board()
-    stranger = threading.Thread(target=_knock, args=(board,), daemon=True)
+    """A stranger connects first and shows a wrong secret: the leader closes its connection and goes on waiting, and
+    the follower, which reads the leader's address only once the stranger is done, joins."""
+    board, knocked, refused = Board(), threading.Event(), []
+    stranger = threading.Thread(target=_knock, args=(board, knocked, refused), daemon=True)
     stranger.start()
-    follower = Follower(FakeEngine(), board)
+    follower = Follower(FakeEngine(), _SeenAfter(board, knocked))
     leader = lead(FakeEngine(), num_processes=2, board=board, host="127.0.0.1", timeout_s=WAIT_S)
     leader.close()
     assert follower.join().error is None
     stranger.join(WAIT_S)
+    assert refused == [True]
 
 
-def _knock(board):
-    """Connect to the leader's port once it is published, and show a wrong secret."""
-    port = board.blocking_key_value_get("jaxmodels/mirror/0", WAIT_S * 1000).split()[0]
-    with socket.create_connection(("127.0.0.1", int(port))) as connection:
-        connection.sendall(b"x" * 64)
+class _SeenAfter:
+    """`board` as it reads once `event` is set."""
+
+    def __init__(self, board, event):
+        self.board, self.event = board, event
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        assert self.event.wait(timeout_ms / 1000), key
+        return self.board.blocking_key_value_get(key, timeout_ms)
+
+
+def _knock(board, knocked, refused):
+    """Connect to the leader's port once it is published, show a wrong secret, and append whether the leader closed
+    the connection (the end of the stream, or a reset: it closes with the rest of what was sent unread)."""
+    try:
+        port = board.blocking_key_value_get("jaxmodels/mirror/0", WAIT_S * 1000).split()[0]
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=WAIT_S) as connection:
+            connection.sendall(b"x" * 64)
+            try:
+                refused.append(connection.recv(1) == b"")
+            except ConnectionResetError:
+                refused.append(True)
+    finally:
+        knocked.set()
 
 
 def test_missing_followers_time_out_with_their_process_ids():
