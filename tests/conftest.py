@@ -8,6 +8,7 @@ float32 dots everywhere, jaxmodels.precision), so no global precision flag is se
 tests checks exactly what users get.
 """
 
+import gc
 import glob
 import os
 import shutil
@@ -97,6 +98,13 @@ def pytest_unconfigure(config):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes tens of seconds on the 2-core CPU; runs first (see above)")
+    # Python's cycle collector: tracing and lowering allocate millions of short-lived objects, and at the default
+    # thresholds each worker spent ~5 s per minute in collections that walk every module imported so far. Those are
+    # frozen out of its view and collections come less often: on 2 cores, test_llm + the Nemotron-H parity + the
+    # indexer kernel tests took 128-132 CPU-s instead of 137-143.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 50, 100)
 
 
 def pytest_collection_modifyitems(config, items):
