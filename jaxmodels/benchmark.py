@@ -70,8 +70,9 @@ PREFILL_REPEATS = 3  # timed prompts per prefill length, the median reported (ou
 
 def random_model(raw: dict, dtype: str, calibration_tokens: int = 512, center_head: bool = True):
     """Our model for `raw` with random weights, initialised directly on the default device, its MoE routing
-    balanced (`balance_routing`) and, unless `center_head` is False, its LM head centered (`center_lm_head`). With a block-scaled FP8 `quantization_config` in `raw`, the layers it quantizes
-    then hold their random weights in FP8 (routed on the dense weights' balance, which FP8 rounding barely moves)."""
+    balanced (`balance_routing`) and, unless `center_head` is False, its LM head centered (`center_lm_head`). With
+    a block-scaled FP8 `quantization_config` in `raw`, the layers it quantizes then hold their random weights in FP8
+    (routed on the dense weights' balance, which FP8 rounding barely moves)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -121,11 +122,12 @@ def center_lm_head(model, hidden) -> None:
 
     The vector the random layers add to every token (see `balance_routing`) survives to the final norm and
     outweighs each token's own part, so the head scores the same few tokens first for every request: greedy decoding
-    of 32 random prompts at the Nano-30B shape gave 3 distinct next tokens, and a decode batch whose requests all
-    feed the same token reads fewer experts than real traffic does (MoE rows above 100% of the floor, which assumes
-    uniform routing). With the shared direction removed, each request's greedy tokens follow its own state, as a
-    trained model's do. The head keeps its shape and dtype, so the step's cost is unchanged. Tied embeddings are left
-    as they are: the head is the input embedding there, and changing it would change every layer's input.
+    of 32 random prompts at the Nano-30B shape gave 2 distinct next tokens (32 with the head centered; H200, full
+    width, bench/lab/greedy_routing_probe.py), and a decode batch whose requests all feed the same token reads fewer
+    experts than real traffic does (MoE rows above 100% of the floor, which assumes uniform routing). With the
+    shared direction removed, each request's greedy tokens follow its own state, as a trained model's do. The head
+    keeps its shape and dtype, so the step's cost is unchanged. Tied embeddings are left as they are: the head is
+    the input embedding there, and changing it would change every layer's input.
     """
     import jax
     import jax.numpy as jnp
