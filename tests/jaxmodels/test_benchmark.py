@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxmodels.__main__ import main
-from jaxmodels.benchmark import FP8_BLOCK_QUANTIZATION, center_lm_head
+from jaxmodels.benchmark import FP8_BLOCK_QUANTIZATION, balance_routing, center_lm_head
 from jaxmodels.benchmark_floors import model_costs
 from jaxmodels.families import load_config
 from jaxmodels.layers.fp8_linear import Fp8ExpertStack, Fp8Linear
@@ -54,6 +54,28 @@ def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread
 
 
 TINY_DSA = TINY_CONFIGS["deepseek_v32"]
+
+
+def test_balanced_routers_center_each_experts_score_on_the_calibration_prompt(float32_matmuls):
+    """After balance_routing, each expert's score, bias included, averages zero over the router's calibration inputs.
+    A second forward on the same ids sees those inputs again (each layer was balanced before it routed), so they are
+    recorded there."""
+    from jaxmodels.layers.moe import MoE
+
+    model = build_from_config(TINY_DSA)
+    ids = np.random.default_rng(1).integers(3, TINY_DSA["vocab_size"], size=(1, 24))
+    balance_routing(model, ids)
+    inputs, route = [], MoE.route
+    MoE.route = lambda self, x: (inputs.append((self, x)), route(self, x))[1]
+    try:
+        model.hidden_states(ids)
+    finally:
+        MoE.route = route
+    assert inputs
+    for moe, x in inputs:
+        scores = 1 / (1 + np.exp(-np.asarray(moe.gate.logits(x), np.float64)))
+        np.testing.assert_allclose(scores.mean(axis=0) + np.asarray(moe.gate.e_score_correction_bias[...]), 0,
+                                   atol=1e-6)
 
 
 def test_centered_lm_head_scores_nothing_along_the_shared_direction(float32_matmuls):
