@@ -9,7 +9,8 @@
 #
 # On one H200 (16 cores) the suite runs in 8 workers sharing the GPU: JAX allocates GPU memory as it needs it
 # instead of preallocating 75% per process, XLA's compilations go to a persistent cache, and torch (CPU, for the
-# parity references) keeps to two threads per worker.
+# parity references) keeps to two threads per worker. The server's tests need packages the machine lacks: carry
+# .whl (made here by tools/gpu_wheels.sh) in the call, or tests/serve skips.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -17,6 +18,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=2
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxmodels-jax-cache}
 workers=${GPU_CHECK_WORKERS:-8}
+bash tools/install_wheels.sh  # the server's packages, where .whl/ was carried (tools/gpu_wheels.sh)
 
 start=$SECONDS
 tests_status=0

@@ -24,12 +24,10 @@ switch_bench() {  # decode_profile with the switch $1 on, then off (logs under $
 for what in "$@"; do
   echo "=== $what $(date -u +%T)"
   case $what in
-    # Structured output's packages if the machine lacks them (wheels carried in .whl/), then the sampler variants'
+    # Structured output's packages if the machine lacks them (wheels carried in .whl/: tools/gpu_wheels.sh), then the sampler variants'
     # decode cost at B=64/256 (the JSON schema's masks for the 128k-token tokenizer carried in bench/.cache/) and
     # the engine tests of structured output and the sampling controls.
-    structured) for package in llguidance jsonschema; do
-        python3 -c "import $package" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl "$package" 2>&1 | tail -2
-      done
+    structured) bash tools/install_wheels.sh llguidance jsonschema
       timeout 420 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano9b.json --phases decode \
         --batches 64,256 --decode-steps 64 --sampling plain,logprobs,penalties,json \
         --tokenizer bench/.cache/tokenizer_128k.json --json "$OUT/structured.json" > "$OUT/structured.log" 2>&1
