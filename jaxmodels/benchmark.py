@@ -89,25 +89,21 @@ def random_model(raw: dict, dtype: str, calibration_tokens: int = 512, center_he
 
 
 def balance_routing(model, calibration_ids):
-    """Set each MoE router's `e_score_correction_bias` to minus its experts' mean score on `calibration_ids`;
-    returns the calibration forward's final hidden states [1, T, H] (balanced), which `center_lm_head` reads.
+    """Balance each MoE router on its inputs from a forward over `calibration_ids` (`standardize_router`); returns
+    that forward's final hidden states [1, T, H] (balanced), which `center_lm_head` reads.
 
     Random weights route badly: the relu² and SiLU layers add a vector shared by all tokens to the residual stream,
     so deep layers send every token to the same experts (measured on the Nano-30B shape in bf16: 39 of 128 experts
     used by 256 tokens at the fifth MoE layer), and an MoE benchmark would read a fraction of the expert weights a
-    trained model reads. Trained DeepSeek-style routers keep their load balanced with exactly this bias (adjusted
-    during training, "auxiliary-loss-free" balancing); centering the scores per expert is its one-shot analogue.
-    The calibration forward runs eagerly, layer by layer, so each layer sees the previous layers' balanced output.
+    trained model reads. The calibration forward runs eagerly, layer by layer, so each layer sees the previous
+    layers' balanced output.
     """
-    import jax
-
     from jaxmodels.layers.moe import MoE
 
     route = MoE.route
 
     def calibrating_route(self, x):
-        scores = jax.nn.sigmoid(self.gate.logits(x))
-        self.gate.e_score_correction_bias.set_value(-scores.mean(axis=0))
+        standardize_router(self.gate, x)
         return route(self, x)
 
     MoE.route = calibrating_route
@@ -115,6 +111,34 @@ def balance_routing(model, calibration_ids):
         return model.hidden_states(calibration_ids)
     finally:
         MoE.route = route
+
+
+def standardize_router(gate, x) -> None:
+    """Make every expert's routing score distributed alike over the router inputs x[..., H], as a balanced trained
+    router's are: each expert's logit centered (the inputs' mean direction projected out of the router weights) and
+    scaled to unit standard deviation, then `e_score_correction_bias` set to minus the expert's mean score.
+
+    Trained DeepSeek-style routers keep their load balanced with that bias (adjusted during training,
+    "auxiliary-loss-free" balancing), and the bias alone is its one-shot analogue only where the experts' scores
+    spread alike. A random router's do not: its rows meet the inputs' few dominant directions at random angles, so
+    some experts' logits vary several times more than others', and top-k picks those again and again. At the
+    DeepSeek-V3.2 shape, the last tokens of 32 random prompts touched 124-125 experts per MoE layer with the bias
+    alone and 160-170 standardized, where uniform routing touches 163.3 (CPU, experts cut to width 64;
+    bench/lab/greedy_routing_probe.py). Among 512 such tokens the bias alone left 38-49 experts of 256 unused.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    highest = jax.lax.Precision.HIGHEST  # float32, not the GPU's default TF32
+    tokens = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1])
+    weight = gate.weight[...]  # [E, H] float32
+    mean = tokens.mean(axis=0)
+    unit = mean / jnp.linalg.norm(mean)
+    weight = weight - jnp.outer(jnp.matmul(weight, unit, precision=highest), unit)
+    spread = jnp.matmul(tokens, weight.T, precision=highest).std(axis=0)
+    gate.weight.set_value(weight / jnp.maximum(spread, jnp.finfo(jnp.float32).tiny)[:, None])
+    scores = jax.nn.sigmoid(gate.logits(x))
+    gate.e_score_correction_bias.set_value(-scores.mean(axis=0))
 
 
 def center_lm_head(model, hidden) -> None:
@@ -129,17 +153,29 @@ def center_lm_head(model, hidden) -> None:
     keeps its shape and dtype, so the step's cost is unchanged. Tied embeddings are left as they are: the head is
     the input embedding there, and changing it would change every layer's input.
     """
-    import jax
     import jax.numpy as jnp
 
     if model.config.tie_word_embeddings:
         return
     mean = jnp.asarray(hidden, jnp.float32).reshape(-1, hidden.shape[-1]).mean(axis=0)
-    unit = mean / jnp.linalg.norm(mean)
     kernel = model.lm_head.kernel  # [H, V]
-    weights = jnp.asarray(kernel[...], jnp.float32)
-    along = jnp.matmul(unit, weights, precision=jax.lax.Precision.HIGHEST)  # float32, not the GPU's default TF32
-    kernel.set_value((weights - jnp.outer(unit, along)).astype(kernel.dtype))
+    kernel.set_value(_without_direction(kernel[...], mean / jnp.linalg.norm(mean)))
+
+
+def _without_direction(kernel, unit):
+    """kernel[H, V] less its component along the unit vector unit[H], in kernel's dtype; computed in float32 (not
+    the GPU's default TF32) in one compiled program, so that the outer product and the difference are fused rather
+    than held (the DeepSeek head is 129,280 x 7,168: 3.7 GB an array in float32)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def project(kernel, unit):
+        weights = kernel.astype(jnp.float32)
+        along = jnp.matmul(unit, weights, precision=jax.lax.Precision.HIGHEST)
+        return (weights - jnp.outer(unit, along)).astype(kernel.dtype)
+
+    return project(kernel, unit)
 
 
 def percentile_ms(values, q) -> float:

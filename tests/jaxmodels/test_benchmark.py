@@ -56,10 +56,10 @@ def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread
 TINY_DSA = TINY_CONFIGS["deepseek_v32"]
 
 
-def test_balanced_routers_center_each_experts_score_on_the_calibration_prompt(float32_matmuls):
-    """After balance_routing, each expert's score, bias included, averages zero over the router's calibration inputs.
-    A second forward on the same ids sees those inputs again (each layer was balanced before it routed), so they are
-    recorded there."""
+def test_balanced_routers_standardize_each_experts_logit_on_the_calibration_prompt(float32_matmuls):
+    """After balance_routing, each expert's logit has mean 0 and standard deviation 1 over the router's calibration
+    inputs, and its score, bias included, averages zero there. A second forward on the same ids sees those inputs
+    again (each layer was balanced before it routed), so they are recorded there."""
     from jaxmodels.layers.moe import MoE
 
     model = build_from_config(TINY_DSA)
@@ -73,9 +73,58 @@ def test_balanced_routers_center_each_experts_score_on_the_calibration_prompt(fl
         MoE.route = route
     assert inputs
     for moe, x in inputs:
-        scores = 1 / (1 + np.exp(-np.asarray(moe.gate.logits(x), np.float64)))
+        logits = np.asarray(moe.gate.logits(x), np.float64)
+        np.testing.assert_allclose(logits.mean(axis=0), 0, atol=1e-5)
+        np.testing.assert_allclose(logits.std(axis=0), 1, rtol=1e-5)
+        scores = 1 / (1 + np.exp(-logits))
         np.testing.assert_allclose(scores.mean(axis=0) + np.asarray(moe.gate.e_score_correction_bias[...]), 0,
                                    atol=1e-6)
+
+
+def router_inputs(rng, size: int):
+    """A sampler of router inputs shaped like a random model's: a vector shared by every token, 32 dominant
+    directions of decaying weight, and an isotropic rest; `draw(tokens)` -> [tokens, size]."""
+    shared = 5 * rng.standard_normal(size)
+    dominant = rng.standard_normal((32, size)) / np.sqrt(np.arange(1, 33))[:, None]
+
+    def draw(tokens: int) -> np.ndarray:
+        return (shared + 2 * rng.standard_normal((tokens, 32)) @ dominant
+                + 0.5 * rng.standard_normal((tokens, size))).astype(np.float32)
+
+    return draw
+
+
+def expert_loads(gate, x, top_k: int, n_group: int, topk_group: int) -> np.ndarray:
+    """Each expert's share of the (token, expert) picks of grouped top-k routing over x, in units of a uniform share."""
+    from jaxmodels.layers.moe import grouped_topk_routing
+
+    _, experts = grouped_topk_routing(gate.logits(jnp.asarray(x)), gate.e_score_correction_bias[...], top_k=top_k,
+                                      n_group=n_group, topk_group=topk_group, norm_topk_prob=True,
+                                      routed_scaling_factor=1.0)
+    num_experts = gate.e_score_correction_bias.shape[0]
+    return np.bincount(np.asarray(experts).ravel(), minlength=num_experts) / experts.size * num_experts
+
+
+def test_standardized_router_spreads_unseen_tokens_over_every_expert(float32_matmuls):
+    """On inputs with a shared vector and a few dominant directions, as random layers make them, centering only the
+    scores (the bias) leaves a random router's load skewed: the experts whose rows meet the dominant directions most
+    take several shares and others none. standardize_router, calibrated on one sample, spreads fresh tokens of the
+    same kind over every expert, each within half a share of uniform (8,000 picks of 64 experts, 125 each: Poisson
+    noise alone is 0.09 of a share, and experts that share directions add some)."""
+    from jaxmodels.benchmark import standardize_router
+    from jaxmodels.layers.moe import TopkRouter
+
+    size, experts, routing = 256, 64, dict(top_k=4, n_group=4, topk_group=2)
+    draw = router_inputs(np.random.default_rng(0), size)
+    calibration, unseen = draw(2048), draw(2000)
+    gate = TopkRouter(size, experts, rngs=nnx.Rngs(0))
+    scores = 1 / (1 + np.exp(-np.asarray(gate.logits(jnp.asarray(calibration)), np.float64)))
+    gate.e_score_correction_bias.set_value(jnp.asarray(-scores.mean(axis=0), jnp.float32))
+    centered_only = expert_loads(gate, unseen, **routing)
+    assert centered_only.max() > 2 and (centered_only == 0).sum() >= 3, centered_only
+    standardize_router(gate, jnp.asarray(calibration))
+    standardized = expert_loads(gate, unseen, **routing)
+    assert 0.5 <= standardized.min() and standardized.max() <= 1.5, standardized
 
 
 def test_centered_lm_head_scores_nothing_along_the_shared_direction(float32_matmuls):
