@@ -10,7 +10,12 @@ tokens (`noisy`), because random weights cannot show what a trained MTP head giv
     python3 bench/speculative.py --config bench/configs/nemotron_h_nano9b.json --batches 1,32 --ks 1,2,3
 
 Time per output token = (wall time of a generate with --tokens more new tokens - that of a short one) / --tokens,
-with every request of the batch decoding in lockstep. Prefix caching is off: the random prompts share nothing, and
+with every request of the batch decoding in lockstep. Beside each speed-up, its bound: what speculative decoding
+could gain at the measured rate per draft if every step moved only its floor's bytes
+(`jaxmodels.benchmark_floors.speculative_bound`; routing uniform, so a verify step of k + 1 tokens a request reads
+the experts of k + 1 tokens). `--floors-only` prints the bounds alone, from the weights' shapes, for any size:
+
+    python3 bench/speculative.py --config bench/configs/deepseek_v32.json --batches 1,32 --ks 1,2,3 --floors-only Prefix caching is off: the random prompts share nothing, and
 with it on an extend step saves at most 8 recurrent-state snapshots, so 32 prompts were admitted over four extend
 steps, out of lockstep (77 decode steps for 56 tokens at B=32 on 2026-12-04, where 55 make them).
 """
@@ -27,6 +32,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxmodels.benchmark import cut_layers, random_model  # noqa: E402
+from jaxmodels.benchmark_floors import (  # noqa: E402
+    decode_step_bytes, draft_step_bytes, speculative_bound, verify_step_bytes)
 
 OUTPUT_PROJECTIONS = ("out_proj.kernel", "o_proj.kernel", "down_proj.kernel", "experts.down_proj")
 
@@ -102,6 +109,39 @@ def noisy(model, accept: float, sample: int = 4096, seed: int = 0):
     return merge_params(graphdef, abstract_state(state), params)
 
 
+def costs_of(model):
+    from jaxmodels.benchmark_floors import model_costs
+    from jaxmodels.nnx_params import model_params
+
+    return model_costs(model.config, model_params(model), "bfloat16")
+
+
+def abstract_costs(raw: dict):
+    """The floors' costs of `raw`'s model in bf16 from its weights' shapes alone (nothing allocated)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxmodels.families import load_config, model_class
+
+    config = load_config(raw)
+    return costs_of(nnx.eval_shape(lambda: model_class(config)(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+
+
+def print_bounds(costs, args, context: float) -> None:
+    """The speculative bound (`speculative_bound`) at `args.accept` per draft, per batch and k, with the bytes of
+    the steps it weighs."""
+    print(f"per draft {args.accept}, mean context {context:g}, uniform routing; GB moved per step:")
+    print("| B | decode | drafting pass | " + " | ".join(f"verify, k = {k}" for k in args.ks) + " | "
+          + " | ".join(f"bound, k = {k}" for k in args.ks) + " |")
+    print("|---" * (3 + 2 * len(args.ks)) + "|")
+    for batch in args.batches:
+        verify = [verify_step_bytes(costs, batch, k, context) / 1e9 for k in args.ks]
+        bound = [speculative_bound(costs, batch, k, args.accept, context) for k in args.ks]
+        print(f"| {batch} | {decode_step_bytes(costs, batch, context) / 1e9:.2f} | "
+              f"{draft_step_bytes(costs, batch, context) / 1e9:.2f} | " + " | ".join(f"{v:.2f}" for v in verify)
+              + " | " + " | ".join(f"{b:.2f}x" for b in bound) + " |")
+
+
 def per_token_ms(model, k: int, args, vocab: int, profile: str | None = None) -> list[dict]:
     """One engine (decode buckets: the batch sizes) -> a row per batch size; with `profile`, per-op tables of its
     verify steps at the largest batch too (trace under that directory)."""
@@ -163,12 +203,20 @@ def main():
     parser.add_argument("--accept", type=float, default=0.72, help="the noisy drafter's share of standing drafts")
     parser.add_argument("--profile", default=None, help="trace directory: per-op tables of the first k's verify "
                         "steps (random drafter, largest batch) and of plain decode")
+    parser.add_argument("--floors-only", action="store_true", help="print only the speculative bounds at --accept "
+                        "per draft for --batches and --ks (abstract weights: any size, on any machine)")
     args = parser.parse_args()
     raw = cut_layers(json.load(open(args.config)), args.layers)
     raw["num_nextn_predict_layers"] = 1
+    raw.pop("quantization_config", None)  # served in bf16 here, whatever the checkpoint holds
     if raw["model_type"] == "nemotron_h":
         raw["mtp_layers_block_type"] = args.mtp_blocks.split(",")
+    context = args.prompt_len + 8 + args.tokens / 2  # the timed tokens' mean length
+    if args.floors_only:
+        print_bounds(abstract_costs(raw), args, context)
+        return
     model = random_model(raw, "bfloat16")
+    costs = costs_of(model)
     rows = []
 
     def run(model, k, drafter):
@@ -191,11 +239,14 @@ def main():
         for k in args.ks:
             run(model, k, "noisy")
     plain = {r["batch"]: r["tok_s"] for r in rows if r["k"] == 0}
-    print("| drafter | k | B | ms / output token | tok/s | vs plain | accepted / drafted | per draft | steps |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| drafter | k | B | ms / output token | tok/s | vs plain | bound | accepted / drafted | per draft | steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        bound = speculative_bound(costs, r["batch"], r["k"], r["per_draft"], context) if r["k"] else 1.0
+        r["bound"] = bound
         print(f"| {r['drafter']} | {r['k']} | {r['batch']} | {r['ms_per_token']:.2f} | {r['tok_s']:.0f} | "
-              f"{r['tok_s'] / plain[r['batch']]:.2f}x | {r['accept_rate']:.2f} | {r['per_draft']:.2f} | {r['steps']} |")
+              f"{r['tok_s'] / plain[r['batch']]:.2f}x | {bound:.2f}x | {r['accept_rate']:.2f} | {r['per_draft']:.2f} | "
+              f"{r['steps']} |")
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
 

@@ -40,12 +40,25 @@ class ModelCosts:
     index_topk: int = 0
     indexer_flops_per_key: float = 0.0  # indexer multiply-adds per (query, key)
     dsa_rows_bytes: float = 0.0  # latent row read per selected key, all layers
+    # One drafting pass of the MTP layers (none: 0): their weights but the routed experts, plus the LM head they share
+    # with the target; their MoE layers; their caches and states, as the target's above.
+    draft_weight_bytes: float = 0.0
+    draft_moe_layers: int = 0
+    draft_cache_bytes_per_token: float = 0.0
+    draft_dsa_rows_bytes: float = 0.0
+    draft_state_bytes_per_request: float = 0.0
+
+
+MTP_PREFIXES = ("mtp_layers.", "mtp.")  # DeepSeek's and Nemotron-H's MTP layers: read by drafting only
 
 
 def model_costs(config, params: dict, dtype, ssm_dtype=None) -> ModelCosts:
-    """Costs of a model from its config and its {dotted path: array} params."""
+    """Costs of a model from its config and its {dotted path: array} params (its MTP layers' apart: `draft_*`)."""
     itemsize = np.dtype(dtype).itemsize
     nbytes = {path: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for path, a in params.items()}
+    draft_paths = [p for p in params if p.startswith(MTP_PREFIXES)]
+    nbytes_draft = {p: nbytes.pop(p) for p in draft_paths}
+    params = {p: a for p, a in params.items() if p in nbytes}
     weights = {path: int(np.prod(a.shape)) for path, a in params.items() if not path.endswith(SCALE_SUFFIXES)}
     expert_paths = [p for p in params if ".experts." in p]
     embedding = sum(b for p, b in nbytes.items() if p.endswith("embedding"))
@@ -63,29 +76,41 @@ def model_costs(config, params: dict, dtype, ssm_dtype=None) -> ModelCosts:
         return sum(weights[p] for p in paths if ".experts." not in p) + k * experts / max(num_experts, 1)
 
     fp8 = active([p for p in weights if params[p].dtype == ml_dtypes.float8_e4m3fn])
+    head_bytes = sum(b for p, b in nbytes.items() if p.startswith("lm_head."))
+    draft_experts = [p for p in nbytes_draft if ".experts." in p]
     costs = dict(dense_weight_bytes=dense, expert_bytes=expert_bytes, moe_layers=moe_layers, num_experts=num_experts,
                  experts_per_token=k, active_params_per_token=active(weights), fp8_params_per_token=fp8,
-                 head_params=sum(weights[p] for p in weights if p.startswith("lm_head.")))
+                 head_params=sum(weights[p] for p in weights if p.startswith("lm_head.")),
+                 draft_weight_bytes=(sum(nbytes_draft.values()) - sum(nbytes_draft[p] for p in draft_experts)
+                                     + head_bytes) if draft_paths else 0.0,
+                 draft_moe_layers=len({p.split(".experts.")[0] for p in draft_experts}))
+    mtp_layers = getattr(config, "num_nextn_predict_layers", 0) or 0
     if config.model_type == "nemotron_h":
-        kinds = config.layer_types
         ssm_itemsize = np.dtype(ssm_dtype or config.mamba_ssm_cache_dtype).itemsize
-        state = kinds.count("mamba") * (
-            config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * ssm_itemsize
-            + config.conv_dim * (config.conv_kernel - 1) * itemsize)
+        mamba_state = (config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * ssm_itemsize
+                       + config.conv_dim * (config.conv_kernel - 1) * itemsize)
+        kv = 2 * config.num_key_value_heads * config.head_dim * itemsize
+        kinds, draft_kinds = config.layer_types, config.mtp_layer_types * mtp_layers
         attn_layers = kinds.count("attention")
-        cache = attn_layers * 2 * config.num_key_value_heads * config.head_dim * itemsize
-        return ModelCosts(**costs, cache_bytes_per_token=cache, state_bytes_per_request=state, attention="gqa",
-                          attn_layers=attn_layers, heads=config.num_attention_heads, head_flops_dim=2 * config.head_dim)
+        return ModelCosts(**costs, cache_bytes_per_token=attn_layers * kv,
+                          state_bytes_per_request=kinds.count("mamba") * mamba_state, attention="gqa",
+                          attn_layers=attn_layers, heads=config.num_attention_heads, head_flops_dim=2 * config.head_dim,
+                          draft_cache_bytes_per_token=draft_kinds.count("attention") * kv,
+                          draft_state_bytes_per_request=draft_kinds.count("mamba") * mamba_state)
     layers = config.num_hidden_layers
     row = config.kv_lora_rank + config.qk_rope_head_dim
     indexers = sum(t == "full" for t in config.layer_indexer_types)
     key_bytes = 1 + 4 if config.indexer_numerics != "exact" else itemsize
-    cache = layers * row * itemsize + indexers * config.index_head_dim * key_bytes
-    return ModelCosts(**costs, cache_bytes_per_token=cache, state_bytes_per_request=0.0, attention="dsa",
+    index_key = config.index_head_dim * key_bytes
+    # Each MTP layer has a latent cache and an indexer of its own (models/deepseek_v32.DeepseekV32MTPLayer).
+    return ModelCosts(**costs, cache_bytes_per_token=layers * row * itemsize + indexers * index_key,
+                      state_bytes_per_request=0.0, attention="dsa",
                       attn_layers=layers, heads=config.num_attention_heads, head_flops_dim=row + config.kv_lora_rank,
                       index_topk=config.index_topk,
                       indexer_flops_per_key=indexers * config.index_n_heads * config.index_head_dim,
-                      dsa_rows_bytes=layers * row * itemsize)
+                      dsa_rows_bytes=layers * row * itemsize,
+                      draft_cache_bytes_per_token=mtp_layers * (row * itemsize + index_key),
+                      draft_dsa_rows_bytes=mtp_layers * row * itemsize)
 
 
 def experts_touched(costs: ModelCosts, tokens: int) -> float:
@@ -95,16 +120,51 @@ def experts_touched(costs: ModelCosts, tokens: int) -> float:
     return costs.num_experts * (1 - (1 - costs.experts_per_token / costs.num_experts) ** tokens)
 
 
-def decode_step_bytes(costs: ModelCosts, batch: int, context: float) -> float:
-    """Bytes one decode step of `batch` requests at mean length `context` must move."""
-    weights = costs.dense_weight_bytes + costs.moe_layers * experts_touched(costs, batch) * costs.expert_bytes
+def _pass_bytes(costs: ModelCosts, weights: float, moe_layers: int, tokens: int, batch: int, context: float,
+                cache_per_token: float, dsa_rows: float, states: float) -> float:
+    """Bytes of one pass of `tokens` tokens from `batch` requests at mean length `context` through layers whose
+    weights but routed experts are `weights`: the experts the tokens pick, and each request's cache and states once
+    (its tokens' reads of one cache coincide)."""
+    weights += moe_layers * experts_touched(costs, tokens) * costs.expert_bytes
     if costs.attention == "dsa":
         # Every index key is scored, but only the top-k latent rows are read.
-        per_request = (costs.cache_bytes_per_token - costs.dsa_rows_bytes) * context \
-            + costs.dsa_rows_bytes * min(context, costs.index_topk)
+        per_request = (cache_per_token - dsa_rows) * context + dsa_rows * min(context, costs.index_topk)
     else:
-        per_request = costs.cache_bytes_per_token * context
-    return weights + batch * (per_request + 2 * costs.state_bytes_per_request)
+        per_request = cache_per_token * context
+    return weights + batch * (per_request + 2 * states)
+
+
+def decode_step_bytes(costs: ModelCosts, batch: int, context: float) -> float:
+    """Bytes one decode step of `batch` requests at mean length `context` must move."""
+    return _pass_bytes(costs, costs.dense_weight_bytes, costs.moe_layers, batch, batch, context,
+                       costs.cache_bytes_per_token, costs.dsa_rows_bytes, costs.state_bytes_per_request)
+
+
+def verify_step_bytes(costs: ModelCosts, batch: int, k: int, context: float) -> float:
+    """Bytes one speculative verify step must move: the target over k + 1 tokens a request (the last accepted
+    token and k drafts), each request's cache and states read once and its states written once."""
+    return _pass_bytes(costs, costs.dense_weight_bytes, costs.moe_layers, batch * (k + 1), batch, context,
+                       costs.cache_bytes_per_token, costs.dsa_rows_bytes, costs.state_bytes_per_request)
+
+
+def draft_step_bytes(costs: ModelCosts, batch: int, context: float) -> float:
+    """Bytes one drafting pass of `batch` requests must move: the MTP layers and the LM head."""
+    return _pass_bytes(costs, costs.draft_weight_bytes, costs.draft_moe_layers, batch, batch, context,
+                       costs.draft_cache_bytes_per_token, costs.draft_dsa_rows_bytes,
+                       costs.draft_state_bytes_per_request)
+
+
+def expected_tokens(k: int, per_draft: float) -> float:
+    """Tokens a verify step emits per request with k drafts, each standing with chance `per_draft` once those before
+    it stood: the target's own token plus the standing prefix of the drafts, 1 + a + ... + a^k."""
+    return sum(per_draft ** i for i in range(k + 1))
+
+
+def speculative_bound(costs: ModelCosts, batch: int, k: int, per_draft: float, context: float) -> float:
+    """The most speculative decoding can gain over plain decode where both move only their floor's bytes: tokens per
+    cycle over the cycle's bytes (a verify step and k drafting passes), against a decode step's one token."""
+    cycle = verify_step_bytes(costs, batch, k, context) + k * draft_step_bytes(costs, batch, context)
+    return expected_tokens(k, per_draft) * decode_step_bytes(costs, batch, context) / cycle
 
 
 def decode_floor_s(costs: ModelCosts, batch: int, context: float) -> float:
