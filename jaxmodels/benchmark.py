@@ -96,7 +96,7 @@ def balance_routing(model, calibration_ids):
     so deep layers send every token to the same experts (measured on the Nano-30B shape in bf16: 39 of 128 experts
     used by 256 tokens at the fifth MoE layer), and an MoE benchmark would read a fraction of the expert weights a
     trained model reads. The calibration forward runs eagerly, layer by layer, so each layer sees the previous
-    layers' balanced output.
+    layers' balanced output; then each MTP layer drafts over it, so that its router is balanced on its own inputs.
     """
     from jaxmodels.layers.moe import MoE
 
@@ -108,7 +108,11 @@ def balance_routing(model, calibration_ids):
 
     MoE.route = calibrating_route
     try:
-        return model.hidden_states(calibration_ids)
+        hidden = model.hidden_states(calibration_ids)
+        draft = hidden
+        for depth in range(model.num_mtp_layers):  # each MTP layer on the hidden states it drafts from
+            draft = model.mtp_step(draft[:, :-1], calibration_ids[:, depth + 1:], depth=depth)[1]
+        return hidden
     finally:
         MoE.route = route
 

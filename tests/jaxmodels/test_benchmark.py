@@ -56,22 +56,27 @@ def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread
 TINY_DSA = TINY_CONFIGS["deepseek_v32"]
 
 
-def test_balanced_routers_standardize_each_experts_logit_on_the_calibration_prompt(float32_matmuls):
+@pytest.mark.parametrize("mtp_layers", [0, 1])
+def test_balanced_routers_standardize_each_experts_logit_on_the_calibration_prompt(float32_matmuls, mtp_layers):
     """After balance_routing, each expert's logit has mean 0 and standard deviation 1 over the router's calibration
-    inputs, and its score, bias included, averages zero there. A second forward on the same ids sees those inputs
-    again (each layer was balanced before it routed), so they are recorded there."""
+    inputs, and its score, bias included, averages zero there: the target's routers and the MTP layer's, which
+    drafts over the target's hidden states. A second pass on the same ids sees those inputs again (each layer was
+    balanced before it routed), so they are recorded there."""
     from jaxmodels.layers.moe import MoE
 
-    model = build_from_config(TINY_DSA)
+    model = build_from_config({**TINY_DSA, "num_nextn_predict_layers": mtp_layers})
     ids = np.random.default_rng(1).integers(3, TINY_DSA["vocab_size"], size=(1, 24))
     balance_routing(model, ids)
     inputs, route = [], MoE.route
     MoE.route = lambda self, x: (inputs.append((self, x)), route(self, x))[1]
     try:
-        model.hidden_states(ids)
+        hidden = model.hidden_states(ids)
+        if mtp_layers:
+            model.mtp_step(hidden[:, :-1], ids[:, 1:])
     finally:
         MoE.route = route
-    assert inputs
+    moe_layers = TINY_DSA["num_hidden_layers"] - TINY_DSA["first_k_dense_replace"]
+    assert len({id(moe) for moe, _ in inputs}) == moe_layers + mtp_layers
     for moe, x in inputs:
         logits = np.asarray(moe.gate.logits(x), np.float64)
         np.testing.assert_allclose(logits.mean(axis=0), 0, atol=1e-5)
