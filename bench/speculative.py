@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxmodels.benchmark import cut_layers, random_model  # noqa: E402
 from jaxmodels.benchmark_floors import (  # noqa: E402
-    decode_step_bytes, draft_step_bytes, speculative_bound, verify_step_bytes)
+    COPY_BANDWIDTH, decode_step_bytes, draft_step_bytes, speculative_bound, verify_step_bytes)
 
 OUTPUT_PROJECTIONS = ("out_proj.kernel", "o_proj.kernel", "down_proj.kernel", "experts.down_proj")
 
@@ -129,16 +129,21 @@ def abstract_costs(raw: dict):
 
 def print_bounds(costs, args, context: float) -> None:
     """The speculative bound (`speculative_bound`) at `args.accept` per draft, per batch and k, with the bytes of
-    the steps it weighs."""
-    print(f"per draft {args.accept}, mean context {context:g}, uniform routing; GB moved per step:")
+    the steps it weighs and their time at the copy bandwidth (to set beside a profile's step times)."""
+    print(f"per draft {args.accept}, mean context {context:g}, uniform routing; GB moved per step "
+          f"(ms at {COPY_BANDWIDTH / 1e12:g} TB/s):")
     print("| B | decode | drafting pass | " + " | ".join(f"verify, k = {k}" for k in args.ks) + " | "
           + " | ".join(f"bound, k = {k}" for k in args.ks) + " |")
     print("|---" * (3 + 2 * len(args.ks)) + "|")
+
+    def moved(nbytes: float) -> str:
+        return f"{nbytes / 1e9:.2f} ({nbytes / COPY_BANDWIDTH * 1e3:.2f})"
+
     for batch in args.batches:
-        verify = [verify_step_bytes(costs, batch, k, context) / 1e9 for k in args.ks]
+        verify = [moved(verify_step_bytes(costs, batch, k, context)) for k in args.ks]
         bound = [speculative_bound(costs, batch, k, args.accept, context) for k in args.ks]
-        print(f"| {batch} | {decode_step_bytes(costs, batch, context) / 1e9:.2f} | "
-              f"{draft_step_bytes(costs, batch, context) / 1e9:.2f} | " + " | ".join(f"{v:.2f}" for v in verify)
+        print(f"| {batch} | {moved(decode_step_bytes(costs, batch, context))} | "
+              f"{moved(draft_step_bytes(costs, batch, context))} | " + " | ".join(verify)
               + " | " + " | ".join(f"{b:.2f}x" for b in bound) + " |")
 
 
@@ -247,6 +252,7 @@ def main():
         print(f"| {r['drafter']} | {r['k']} | {r['batch']} | {r['ms_per_token']:.2f} | {r['tok_s']:.0f} | "
               f"{r['tok_s'] / plain[r['batch']]:.2f}x | {bound:.2f}x | {r['accept_rate']:.2f} | {r['per_draft']:.2f} | "
               f"{r['steps']} |")
+    print_bounds(costs, args, context)
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
 
