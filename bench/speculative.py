@@ -13,11 +13,13 @@ Time per output token = (wall time of a generate with --tokens more new tokens -
 with every request of the batch decoding in lockstep. Beside each speed-up, its bound: what speculative decoding
 could gain at the measured rate per draft if every step moved only its floor's bytes
 (`jaxmodels.benchmark_floors.speculative_bound`; routing uniform, so a verify step of k + 1 tokens a request reads
-the experts of k + 1 tokens). `--floors-only` prints the bounds alone, from the weights' shapes, for any size:
+the experts of k + 1 tokens). Prefix caching is off: the random prompts share nothing, and with it on an extend
+step saves at most 8 recurrent-state snapshots, so 32 prompts were admitted over four extend steps, out of lockstep
+(77 decode steps for 56 tokens at B=32 on 2026-12-04, where 55 make them).
 
-    python3 bench/speculative.py --config bench/configs/deepseek_v32.json --batches 1,32 --ks 1,2,3 --floors-only Prefix caching is off: the random prompts share nothing, and
-with it on an extend step saves at most 8 recurrent-state snapshots, so 32 prompts were admitted over four extend
-steps, out of lockstep (77 decode steps for 56 tokens at B=32 on 2026-12-04, where 55 make them).
+`--floors-only` prints the bounds alone, from the weights' shapes, for any size, on any machine:
+
+    python3 bench/speculative.py --config bench/configs/deepseek_v32.json --batches 1,32 --ks 1,2,3 --floors-only
 """
 
 import argparse

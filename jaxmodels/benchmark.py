@@ -133,13 +133,9 @@ def standardize_router(gate, x) -> None:
     import jax
     import jax.numpy as jnp
 
-    highest = jax.lax.Precision.HIGHEST  # float32, not the GPU's default TF32
     tokens = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1])
-    weight = gate.weight[...]  # [E, H] float32
-    mean = tokens.mean(axis=0)
-    unit = mean / jnp.linalg.norm(mean)
-    weight = weight - jnp.outer(jnp.matmul(weight, unit, precision=highest), unit)
-    spread = jnp.matmul(tokens, weight.T, precision=highest).std(axis=0)
+    weight = _without_direction(gate.weight[...].T, _mean_direction(tokens)).T  # [E, H] float32
+    spread = jnp.matmul(tokens, weight.T, precision=jax.lax.Precision.HIGHEST).std(axis=0)
     gate.weight.set_value(weight / jnp.maximum(spread, jnp.finfo(jnp.float32).tiny)[:, None])
     scores = jax.nn.sigmoid(gate.logits(x))
     gate.e_score_correction_bias.set_value(-scores.mean(axis=0))
@@ -157,13 +153,18 @@ def center_lm_head(model, hidden) -> None:
     keeps its shape and dtype, so the step's cost is unchanged. Tied embeddings are left as they are: the head is
     the input embedding there, and changing it would change every layer's input.
     """
-    import jax.numpy as jnp
-
     if model.config.tie_word_embeddings:
         return
-    mean = jnp.asarray(hidden, jnp.float32).reshape(-1, hidden.shape[-1]).mean(axis=0)
     kernel = model.lm_head.kernel  # [H, V]
-    kernel.set_value(_without_direction(kernel[...], mean / jnp.linalg.norm(mean)))
+    kernel.set_value(_without_direction(kernel[...], _mean_direction(hidden)))
+
+
+def _mean_direction(x):
+    """The unit vector along the mean of x[..., H] over all its leading axes, in float32."""
+    import jax.numpy as jnp
+
+    mean = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1]).mean(axis=0)
+    return mean / jnp.linalg.norm(mean)
 
 
 def _without_direction(kernel, unit):

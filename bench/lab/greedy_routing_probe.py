@@ -26,8 +26,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=32,
-                        help="prompts per forward (fewer hold less: on CPU the grouped matmul's XLA reference masks the "
-                             "tokens' rows once per expert, and 32 x 16 tokens at the DeepSeek shape went past 23 GB)")
+                        help="prompts per forward (fewer hold less: on CPU the grouped matmul's XLA reference masks "
+                             "the tokens' rows once per expert, and 32 x 16 tokens at the DeepSeek shape went past "
+                             "23 GB)")
     parser.add_argument("--uncentered-head", action="store_true",
                         help="leave the LM head as drawn (random_model centers it: jaxmodels.benchmark.center_lm_head)")
     args = parser.parse_args()
