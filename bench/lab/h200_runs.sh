@@ -316,9 +316,11 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/lab/ncu_sparse_mla.py
     # Distinct greedy tokens and experts touched per MoE layer of the benchmark's random model, full width, its LM
     # head as drawn and centered (jaxmodels.benchmark.center_lm_head): whether decode rows read the experts that
     # per-request tokens would. Two steps: each re-runs the whole forward, and at full width four overran the timeout.
+    # PROBE_HEADS="uncentered centered" compares the LM head as drawn with the benchmark's centered one.
     greedy_probe) for config in ${PROBE_CONFIGS:-nemotron_h_nano30b_a3b deepseek_v32_4layer}; do
-        for head in --uncentered-head ""; do echo "--- $config ${head:---centered-head}"
+        for head in ${PROBE_HEADS:-centered}; do echo "--- $config, $head head"
+          flag=""; [ "$head" = uncentered ] && flag=--uncentered-head
           timeout 150 python3 bench/lab/greedy_routing_probe.py --config "bench/configs/$config.json" --batch 32 \
-            --steps 2 $head 2>&1 | grep "^step\|Error"; done; done ;;
+            --steps 2 $flag 2>&1 | grep "^step\|Error"; done; done ;;
   esac
 done
