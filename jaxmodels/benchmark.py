@@ -32,6 +32,7 @@ The last line is the headline.
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -171,6 +172,13 @@ def _without_direction(kernel, unit):
     """kernel[H, V] less its component along the unit vector unit[H], in kernel's dtype; computed in float32 (not
     the GPU's default TF32) in one compiled program, so that the outer product and the difference are fused rather
     than held (the DeepSeek head is 129,280 x 7,168: 3.7 GB an array in float32)."""
+    return _compiled_projection()(kernel, unit)
+
+
+@functools.cache
+def _compiled_projection():
+    """`_without_direction`'s program, jitted once per process (so once per shape: every router of a model
+    shares one)."""
     import jax
     import jax.numpy as jnp
 
@@ -180,7 +188,7 @@ def _without_direction(kernel, unit):
         along = jnp.matmul(unit, weights, precision=jax.lax.Precision.HIGHEST)
         return (weights - jnp.outer(unit, along)).astype(kernel.dtype)
 
-    return project(kernel, unit)
+    return project
 
 
 def percentile_ms(values, q) -> float:
