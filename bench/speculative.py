@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxmodels.benchmark import cut_layers, random_model  # noqa: E402
 from jaxmodels.benchmark_floors import (  # noqa: E402
-    COPY_BANDWIDTH, decode_step_bytes, draft_step_bytes, speculative_bound, verify_step_bytes)
+    COPY_BANDWIDTH, decode_step_bytes, draft_step_bytes, model_costs, speculative_bound, verify_step_bytes)
 
 OUTPUT_PROJECTIONS = ("out_proj.kernel", "o_proj.kernel", "down_proj.kernel", "experts.down_proj")
 
@@ -112,7 +112,6 @@ def noisy(model, accept: float, sample: int = 4096, seed: int = 0):
 
 
 def costs_of(model):
-    from jaxmodels.benchmark_floors import model_costs
     from jaxmodels.nnx_params import model_params
 
     return model_costs(model.config, model_params(model), "bfloat16")
@@ -121,12 +120,11 @@ def costs_of(model):
 def abstract_costs(raw: dict):
     """The floors' costs of `raw`'s model in bf16 from its weights' shapes alone (nothing allocated)."""
     import jax.numpy as jnp
-    from flax import nnx
 
-    from jaxmodels.families import load_config, model_class
+    from jaxmodels.families import abstract_model, load_config
 
     config = load_config(raw)
-    return costs_of(nnx.eval_shape(lambda: model_class(config)(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    return model_costs(config, abstract_model(config, jnp.bfloat16)[2], "bfloat16")
 
 
 def print_bounds(costs, args, context: float) -> None:

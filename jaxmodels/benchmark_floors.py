@@ -49,16 +49,17 @@ class ModelCosts:
     draft_state_bytes_per_request: float = 0.0
 
 
-MTP_PREFIXES = ("mtp_layers.", "mtp.")  # DeepSeek's and Nemotron-H's MTP layers: read by drafting only
-
-
 def model_costs(config, params: dict, dtype, ssm_dtype=None) -> ModelCosts:
-    """Costs of a model from its config and its {dotted path: array} params (its MTP layers' apart: `draft_*`)."""
+    """Costs of a model from its config and its {dotted path: array} params (its MTP layers' apart: `draft_*`, read
+    by drafting passes only)."""
+    from jaxmodels.families import model_class
+
     itemsize = np.dtype(dtype).itemsize
+    mtp_prefixes = tuple(model_class(config).mtp_checkpoint_prefixes(config))  # the MTP layers' param paths
+    draft_paths = [p for p in params if p.startswith(mtp_prefixes)]
+    nbytes_draft = {p: int(np.prod(params[p].shape)) * np.dtype(params[p].dtype).itemsize for p in draft_paths}
+    params = {p: a for p, a in params.items() if p not in nbytes_draft}
     nbytes = {path: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for path, a in params.items()}
-    draft_paths = [p for p in params if p.startswith(MTP_PREFIXES)]
-    nbytes_draft = {p: nbytes.pop(p) for p in draft_paths}
-    params = {p: a for p, a in params.items() if p in nbytes}
     weights = {path: int(np.prod(a.shape)) for path, a in params.items() if not path.endswith(SCALE_SUFFIXES)}
     expert_paths = [p for p in params if ".experts." in p]
     embedding = sum(b for p, b in nbytes.items() if p.endswith("embedding"))

@@ -7,11 +7,11 @@
 #   bash tools/install_wheels.sh [PACKAGE...]
 cd "$(dirname "$0")/.."
 [ -d .whl ] || { echo "no .whl/ carried: the server's tests will skip"; exit 0; }
+packages=("$@")
+[ ${#packages[@]} -eq 0 ] && packages=(fastapi uvicorn openai llguidance jsonschema)
 missing=()
-for package in "${@:-fastapi uvicorn openai llguidance jsonschema}"; do
-    for name in $package; do
-        python3 -c "import $name" 2>/dev/null || missing+=("$name")
-    done
+for name in "${packages[@]}"; do
+    python3 -c "import $name" 2>/dev/null || missing+=("$name")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "installing from .whl/: ${missing[*]}"

@@ -72,5 +72,6 @@ def main() -> None:
     finally:
         MoE.route = route
 
+
 if __name__ == "__main__":
     main()

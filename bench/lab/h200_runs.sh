@@ -24,8 +24,8 @@ switch_bench() {  # decode_profile with the switch $1 on, then off (logs under $
 for what in "$@"; do
   echo "=== $what $(date -u +%T)"
   case $what in
-    # Structured output's packages if the machine lacks them (wheels carried in .whl/: tools/gpu_wheels.sh), then the sampler variants'
-    # decode cost at B=64/256 (the JSON schema's masks for the 128k-token tokenizer carried in bench/.cache/) and
+    # Structured output's packages if the machine lacks them (wheels carried in .whl/: tools/gpu_wheels.sh), then
+    # the sampler variants' decode cost at B=64/256 (the JSON schema's masks for the 128k-token tokenizer carried in bench/.cache/) and
     # the engine tests of structured output and the sampling controls.
     structured) bash tools/install_wheels.sh llguidance jsonschema
       timeout 420 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano9b.json --phases decode \
@@ -313,10 +313,10 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/lab/ncu_sparse_mla.py
     # The GPU tests of the files named in QUICK_TESTS (pytest node ids), in 8 workers as the suite runs.
     quick_tests) OUT="$OUT/quick" GPU_CHECK_TESTS="$QUICK_TESTS" bash "$0" suite ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
-    # Distinct greedy tokens and experts touched per MoE layer of the benchmark's random model, full width, its LM
-    # head as drawn and centered (jaxmodels.benchmark.center_lm_head): whether decode rows read the experts that
-    # per-request tokens would. Two steps: each re-runs the whole forward, and at full width four overran the timeout.
-    # PROBE_HEADS="uncentered centered" compares the LM head as drawn with the benchmark's centered one.
+    # Distinct greedy tokens and experts touched per MoE layer of the benchmark's random model, full width: whether
+    # decode rows read the experts that per-request tokens would. Two steps: each re-runs the whole forward, and at
+    # full width four overran the timeout. PROBE_HEADS="uncentered centered" compares the LM head as drawn with the
+    # benchmark's centered one (jaxmodels.benchmark.center_lm_head).
     greedy_probe) for config in ${PROBE_CONFIGS:-nemotron_h_nano30b_a3b deepseek_v32_4layer}; do
         for head in ${PROBE_HEADS:-centered}; do echo "--- $config, $head head"
           flag=""; [ "$head" = uncentered ] && flag=--uncentered-head

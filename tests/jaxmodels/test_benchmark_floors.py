@@ -6,13 +6,11 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxmodels.benchmark_floors import (
     ModelCosts, decode_step_bytes, draft_step_bytes, expected_tokens, model_costs, speculative_bound,
     verify_step_bytes)
-from jaxmodels.families import load_config, model_class
-from jaxmodels.nnx_params import model_params
+from jaxmodels.families import abstract_model, load_config
 from tests.hf_models import TINY_CONFIGS
 
 TARGET_FIELDS = ("dense_weight_bytes", "expert_bytes", "moe_layers", "active_params_per_token", "head_params",
@@ -20,9 +18,9 @@ TARGET_FIELDS = ("dense_weight_bytes", "expert_bytes", "moe_layers", "active_par
 
 
 def abstract_params(raw: dict) -> tuple:
+    """(config, {dotted path: ShapeDtypeStruct}) of `raw`'s model in bf16."""
     config = load_config(raw)
-    model = nnx.eval_shape(lambda: model_class(config)(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    return config, model_params(model)
+    return config, abstract_model(config, jnp.bfloat16)[2]
 
 
 def nbytes(array) -> int:
