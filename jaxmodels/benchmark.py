@@ -129,7 +129,7 @@ def standardize_router(gate, x) -> None:
     some experts' logits vary several times more than others', and top-k picks those again and again. At the
     DeepSeek-V3.2 shape, the last tokens of 32 random prompts touched 124-125 experts per MoE layer with the bias
     alone and 160-170 standardized, where uniform routing touches 163.3 (CPU, experts cut to width 64;
-    bench/lab/greedy_routing_probe.py). Among 512 such tokens the bias alone left 38-49 experts of 256 unused.
+    bench/lab/greedy_routing_probe.py).
     """
     import jax
     import jax.numpy as jnp
