@@ -69,13 +69,25 @@ IMPLS = ("auto", "pallas", "xla", "xla_fp8", "mosaic", "cublaslt")  # xla_fp8: p
 GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS", "1") != "0"
 
 
-def _mosaic_kernels_available() -> bool:
-    """Pallas' Mosaic GPU backend with warp-specialized pipelines and its interpreter (jax >= 0.11)."""
+def _mosaic_lowering_available() -> bool:
+    """Pallas' Mosaic GPU backend with warp-specialized pipelines, which lowers the kernels for a GPU from any
+    machine (`jax.export`): jax 0.10 has it too."""
     try:
         from jax.experimental.pallas import mosaic_gpu as plgpu
     except ImportError:
         return False
-    return hasattr(plgpu, "emit_pipeline_warp_specialized") and hasattr(plgpu, "InterpretGPUParams")
+    return hasattr(plgpu, "emit_pipeline_warp_specialized")
+
+
+def _mosaic_kernels_available() -> bool:
+    """The Mosaic GPU kernels run, compiled or in Mosaic GPU's interpreter (jax >= 0.11). jax 0.10 lowers them but
+    does not export its interpreter, whose version there has no rule for `plgpu.load` or `plgpu.layout_cast` and
+    never finished the warp-specialized pipeline when tried (2026-12-04)."""
+    if not _mosaic_lowering_available():
+        return False
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return hasattr(plgpu, "InterpretGPUParams")
 
 
 # Which kernel `auto` runs block-scaled (128, 128) weights on (N and K multiples of 128) when it takes the GPU paths:

@@ -29,9 +29,9 @@ through a cluster barrier, refilled only once the consumers of both CTAs are don
 too), so the two CTAs stay within `steps_in_flight` steps of each other.
 
 Shapes: M a multiple of cluster * 2 * tile_m (`row_multiple`), N and K of 128 (the wrapper in `fp8_matmul` pads
-M). Runs on jax >= 0.11 (Pallas Mosaic GPU with warpgroup semantics); `interpret=True` runs it on CPU in Mosaic
-GPU's interpreter (which copies a multicast tile into each CTA on its own: it checks the work split, not the
-multicast).
+M). Runs on jax >= 0.11 (Pallas Mosaic GPU with warpgroup semantics; jax 0.10 lowers it too, which the CPU tests
+check); `interpret=True` runs it on CPU in Mosaic GPU's interpreter (which copies a multicast tile into each CTA on
+its own: it checks the work split, not the multicast).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                 plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
                 # With clusters, both CTAs load the same w tile (same column tile, same expert): multicast.
                 plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM,
-                                collective_axes=(CLUSTER,) if cluster > 1 else None),
+                                collective_axes=(CLUSTER,) if cluster > 1 else ()),
                 plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((1, SCALE_LANES), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ])
@@ -241,7 +241,8 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                     part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
                     # The column tile is one scale block of w: its scale is a scalar, folded into the row scales, so
                     # the promotion is one multiply-add per element.
-                    row_scale = plgpu.load(xs_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                    # The index `()` is explicit: jax 0.10's plgpu.load has no default for it.
+                    row_scale = plgpu.load(xs_smem.at[0, rows], (), layout=plgpu.Layout.WGMMA.reduce(1))
                     scales = row_scale * ws_smem[0, 0]
                     return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
 

@@ -1,6 +1,7 @@
 """The Mosaic GPU FP8 block GEMM (`pallas_kernels.fp8_matmul_mosaic`, jax >= 0.11) against the XLA reference: in
 Mosaic GPU's interpreter (any machine) held to the float32 summation bound of test_fp8_matmul, compiled on the GPU to
-the FP8 tensor cores' bound; its lowering for an H200 at DeepSeek's shapes; and its order of work (any jax).
+the FP8 tensor cores' bound; its lowering for an H200 at DeepSeek's shapes (jax 0.10 too); and its order of work (any
+jax).
 
 With clusters of two CTAs (`cluster=2`) the interpreter checks the split of the work (both CTAs on one column tile,
 each on its own row tile) but not the multicast of w's tiles, which it copies into each CTA on its own: that is
@@ -11,15 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp8_matmul import _mosaic_kernels_available, fp8_grouped_matmul, fp8_matmul, quantize_activations
+from pallas_kernels.fp8_matmul import (_mosaic_kernels_available, _mosaic_lowering_available, fp8_grouped_matmul,
+                                      fp8_matmul, quantize_activations)
 from pallas_kernels.fp8_matmul_mosaic import (_is_routed, _work_tile, fp8_block_grouped_matmul_mosaic,
                                               fp8_block_matmul_mosaic)
 from pallas_kernels.grouped_matmul import make_schedule
 from tests.fp8_bounds import assert_within_summation_bound
 from tests.pallas_kernels.test_fp8_matmul import BLOCK, grouped_summation_bound, random_weight, summation_bound
 
-# jax 0.10 has no warpgroup pipelines to interpret or lower: only the work order is tested there.
+# jax 0.10 lowers the kernel but cannot interpret it (`_mosaic_kernels_available`): there the lowering and the work
+# order are tested.
 needs_mosaic = pytest.mark.skipif(not _mosaic_kernels_available(), reason="the Mosaic GPU FP8 kernel needs jax >= 0.11")
+needs_mosaic_lowering = pytest.mark.skipif(not _mosaic_lowering_available(),
+                                           reason="this jax has no warp-specialized Mosaic GPU pipelines")
 
 
 @pytest.mark.parametrize("sizes", [[3, 0, 300, 1], [0, 0, 0, 0], [128, 128, 0, 0], [0, 0, 0, 5]])
@@ -128,7 +133,7 @@ def test_clusters_are_refused_where_the_kernel_cannot_take_them():
         fp8_block_grouped_matmul_mosaic(x8, x_scale, w8[None], w_scale[None], jnp.array([384], jnp.int32), cluster=2)
 
 
-@needs_mosaic
+@needs_mosaic_lowering
 def test_kernel_lowers_for_the_h200_at_deepseek_shapes():
     """Mosaic GPU's lowering (layouts, swizzles, shared memory, and with clusters the multicast of w's tile split
     between the two CTAs) of the dense up projection's shape, without a GPU."""
