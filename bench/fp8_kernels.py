@@ -52,7 +52,8 @@ from jax import lax
 from dsa_kernels import routed_sizes
 from jaxmodels.benchmark_floors import COPY_BANDWIDTH  # the H200's device-to-device copy rate
 from kernel_report import ROWS, copies_for, in_one_graph, open_log, say, section, timeit
-from pallas_kernels.fp8_matmul import (_mosaic_kernels_available, fp8_grouped_matmul, fp8_matmul, fp8_matmul_xla_fp8,
+from pallas_kernels._dispatch import mosaic_kernels_available
+from pallas_kernels.fp8_matmul import (fp8_grouped_matmul, fp8_matmul, fp8_matmul_xla_fp8,
                                        quantize_activations, quantize_static, quantize_weight)
 from pallas_kernels import fp8_matmul_cublaslt as fp8_cublaslt
 from pallas_kernels.fp8_matmul_mosaic import fp8_block_grouped_matmul_mosaic, fp8_block_matmul_mosaic, row_multiple
@@ -132,7 +133,7 @@ def random_fp8_weight(key, shape):
 # The Mosaic GPU kernel (jax >= 0.11, on the GPU only), the tiles it is timed with and the options it is checked
 # with. On the H200 (2026-12-01) 3 steps in flight and clusters of two (w's tiles multicast to pairs of CTAs) were
 # within 2% of the default.
-MOSAIC = _mosaic_kernels_available()
+MOSAIC = mosaic_kernels_available()
 MOSAIC_TILES = [dict(tile_m=64, steps_in_flight=4), dict(tile_m=64, steps_in_flight=4, cluster=2)]
 MOSAIC_CHECKS = [{}, dict(cluster=2)]
 CUBLASLT_ROWS = (4096, 2048, 1024, 512, 256, 128, 16)  # the cublaslt section's dense rows

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _dispatch
-from ._dispatch import is_hopper, lacks_fp8_tensor_cores, log, on_gpu, resolve_impl
+from ._dispatch import is_hopper, lacks_fp8_tensor_cores, log, mosaic_kernels_available, on_gpu, resolve_impl
 from .fp8_matmul_pallas import fp8_block_grouped_matmul, fp8_block_matmul, pallas_problem
 from .packing import count_at_or_below, prefix_sum
 
@@ -69,34 +69,13 @@ IMPLS = ("auto", "pallas", "xla", "xla_fp8", "mosaic", "cublaslt")  # xla_fp8: p
 GPU_PATHS_VERIFIED = os.environ.get("JAXMODELS_FP8_GPU_PATHS", "1") != "0"
 
 
-def _mosaic_lowering_available() -> bool:
-    """Pallas' Mosaic GPU backend with warp-specialized pipelines, which lowers the kernels for a GPU from any
-    machine (`jax.export`): jax 0.10 has it too."""
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError:
-        return False
-    return hasattr(plgpu, "emit_pipeline_warp_specialized")
-
-
-def _mosaic_kernels_available() -> bool:
-    """The Mosaic GPU kernels run, compiled or in Mosaic GPU's interpreter (jax >= 0.11). jax 0.10 lowers them but
-    does not export its interpreter, whose version there has no rule for `plgpu.load` or `plgpu.layout_cast` and
-    never finished the warp-specialized pipeline when tried (2026-12-04)."""
-    if not _mosaic_lowering_available():
-        return False
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return hasattr(plgpu, "InterpretGPUParams")
-
-
 # Which kernel `auto` runs block-scaled (128, 128) weights on (N and K multiples of 128) when it takes the GPU paths:
 # "mosaic" (`fp8_matmul_mosaic`) where jax has it, else "pallas" (Triton); JAXMODELS_FP8_BLOCK_KERNEL picks one.
 # On the H200 (2026-12-01, `bash bench/lab/h200_runs.sh fp8`, bf16 alongside): dense M=4096 K=7168 N=18432 Mosaic
 # 1.073 ms, Triton 2.99 ms, bf16 1.578; the MoE grouped matmul Mosaic x1.34-1.62 of bf16, Triton x0.23-1.06. Dense
 # rows below MOSAIC_MIN_ROWS stay on Triton: at 16 rows it takes 44 us, Mosaic (rows padded to its 128-row tile,
 # 144 column tiles on 132 SMs) 68 us.
-BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL") or ("mosaic" if _mosaic_kernels_available() else "pallas")
+BLOCK_KERNEL = os.environ.get("JAXMODELS_FP8_BLOCK_KERNEL") or ("mosaic" if mosaic_kernels_available() else "pallas")
 MOSAIC_MIN_ROWS = 65
 # Dense block-scaled products of at least this many rows run on cuBLASLt's block-scaled GEMM (`fp8_matmul_cublaslt`)
 # where `auto` takes the GPU paths on a one-device process (`_one_device`); JAXMODELS_FP8_CUBLASLT=0 keeps them on

@@ -12,19 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp8_matmul import (_mosaic_kernels_available, _mosaic_lowering_available, fp8_grouped_matmul,
-                                      fp8_matmul, quantize_activations)
+from pallas_kernels.fp8_matmul import fp8_grouped_matmul, fp8_matmul, quantize_activations
 from pallas_kernels.fp8_matmul_mosaic import (_is_routed, _work_tile, fp8_block_grouped_matmul_mosaic,
                                               fp8_block_matmul_mosaic)
 from pallas_kernels.grouped_matmul import make_schedule
 from tests.fp8_bounds import assert_within_summation_bound
+from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
 from tests.pallas_kernels.test_fp8_matmul import BLOCK, grouped_summation_bound, random_weight, summation_bound
 
-# jax 0.10 lowers the kernel but cannot interpret it (`_mosaic_kernels_available`): there the lowering and the work
-# order are tested.
-needs_mosaic = pytest.mark.skipif(not _mosaic_kernels_available(), reason="the Mosaic GPU FP8 kernel needs jax >= 0.11")
-needs_mosaic_lowering = pytest.mark.skipif(not _mosaic_lowering_available(),
-                                           reason="this jax has no warp-specialized Mosaic GPU pipelines")
 
 
 @pytest.mark.parametrize("sizes", [[3, 0, 300, 1], [0, 0, 0, 0], [128, 128, 0, 0], [0, 0, 0, 5]])

@@ -1,0 +1,338 @@
+"""Sparse MLA decode for Hopper through Pallas' Mosaic GPU backend: FlashMLA's split of the work over warpgroups,
+with the selected latent rows gathered into shared memory by `cp.async` (issue 42, work in progress: lowered and
+compiled for the H200 on CPU, not yet run on a GPU).
+
+`sparse_mla_decode_mosaic(q[T, H, 576], flat_cache[N, 576], indices[T, k], *, scale, listed) -> [T, H, 512]`: the
+semantics of `sparse_mla_attention.sparse_mla_attention_reference` (bf16 q and cache, absorbed MLA, Dl = 512 value
+columns and Dr = 64 rope columns, −1 = no key), for H a multiple of 64.
+
+Why another kernel: the Triton one (`sparse_mla_attention_pallas`) decodes B=128 at top-2048 and 128 heads in
+0.310 ms, 26% of the byte floor (0.080) where its FLOP floor is 0.090 (docs/BENCHMARKS.md). It runs 32 heads a
+program on `mma.sync` tiles, which re-read the gathered rows from shared memory for every 32 heads; its [32, 512]
+float32 accumulator already spills at 255 registers (ptxas, `python tools/aot_h200.py sparse_mla_triton`), and 64
+heads a program spill more in Triton. FlashMLA reaches about 410 TFLOP/s on the H800 with 64 heads a program, wgmma
+tiles, and a [64, 512] float32 accumulator split between two warpgroups, which is what this kernel builds.
+
+A program (CTA) takes 64 heads of one query and one split of its top-k list, in blocks of 64 keys, with three
+warpgroups:
+  * the producer (warpgroup 2) gathers each block's 64 latent rows into a shared-memory slot (two slots) laid out
+    for wgmma: 8-row tiles of 64 columns with the 128-byte swizzle. Hopper's TMA copies boxes, not lists of rows
+    (its row gather is Blackwell's), and Pallas rejects a one-row TMA into an 8-row tile, so the rows are copied
+    16 bytes a thread with `cp.async` (emitted through `plgpu.inline_mgpu`, `_gather_block`), consecutive threads
+    on consecutive bytes of a row. A −1 entry copies zeros (source size 0). It also copies the block's 64 indices,
+    which mark the keys that are none.
+  * warpgroup 0 owns the softmax: S = Q Kᵀ over all 576 columns ([64 heads, 64 keys], the query block read from
+    shared memory, loaded once), the online softmax in base 2, P in bf16 to shared memory with each row's rescale
+    factor, then O[:, :256] += P V[:, :256] with P from its registers.
+  * warpgroup 1 takes P and the rescale from shared memory and adds P V[:, 256:] into O[:, 256:].
+Warpgroup 0 issues 3.4 M of the 4.5 M multiply-adds a block. FlashMLA balances the two by alternating which one
+computes S ("seesaw"), which needs each warpgroup's softmax to wait for the other's row maxima; this first form
+keeps one owner of the softmax state and relies on warpgroup 1's products filling the tensor cores while warpgroup 0
+runs its softmax. Shared memory: the query block 72 KiB, two row slots of 72 KiB, P 8 KiB, within the H200's 227.
+
+Decode batches too small to fill the GPU split each list (flash-decoding): each split writes its normalised output
+and log-sum-exp, combined in XLA by `sparse_mla_attention._combine_splits`, as in the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._dispatch import num_sms
+
+HEADS = 64  # heads a program: wgmma's M
+BLOCK_KEYS = 64  # keys a block: S's N, and P V's K
+SLOTS = 2  # row slots in flight
+LATENT = 512  # value columns (Dl)
+WIDTH = 576  # a latent row: Dl + Dr
+HALF = LATENT // 2  # output columns a compute warpgroup owns
+TILE_COLUMNS = 64  # bf16 columns of one 128-byte swizzle atom
+PIECE = 8  # bf16 values a cp.async moves (16 bytes)
+PRODUCER_THREADS = 128
+LOG2E = math.log2(math.e)
+
+
+def _mosaic():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def mosaic_problem(heads: int, width: int, latent: int, dtype) -> str | None:
+    """Why this kernel cannot take these shapes, or None."""
+    if heads % HEADS:
+        return f"heads={heads} is not a multiple of {HEADS}"
+    if (width, latent) != (WIDTH, LATENT):
+        return f"latent rows of {width} with {latent} value columns (the kernel is laid out for {WIDTH} / {LATENT})"
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return f"{jnp.dtype(dtype)} cache (the kernel takes bf16)"
+    return None
+
+
+def decode_splits(num_queries: int, heads: int, topk: int) -> int:
+    """How many programs share one query's list: enough programs for every SM (one program fills an SM's shared
+    memory), each split a whole number of blocks of at least 4."""
+    programs = num_queries * (heads // HEADS)
+    wanted = pl.cdiv(num_sms(), programs)
+    most = max(1, topk // (4 * BLOCK_KEYS))
+    return max(1, min(wanted, most))
+
+
+def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):
+    """Emitted by the producer warpgroup (inside `plgpu.inline_mgpu`): cp.async copies of the 64 rows
+    table_ref[indices_ref[first + i]] into rows_ref ([64, 576] in 8 x 64 tiles, 128-byte swizzle), zeros for a −1
+    index, and of the 64 indices into index_ref. One commit group; the caller waits for it."""
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, llvm, memref, nvvm
+
+    i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
+    pieces_per_row = WIDTH // PIECE
+    tiles_per_row = WIDTH // TILE_COLUMNS
+    thread = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mu.c(PRODUCER_THREADS, i32))
+
+    def global_pointer(ref):
+        pointer = mu.memref_ptr(ref)
+        if llvm.PointerType(pointer.type).address_space != 1:  # GMEM refs come in the generic address space
+            pointer = llvm.addrspacecast(llvm.PointerType.get(1), pointer)
+        return pointer
+
+    table, indices = global_pointer(table_ref), global_pointer(indices_ref)
+    rows, index_slot = mu.memref_ptr(rows_ref), mu.memref_ptr(index_ref)
+    del indices
+
+    def copy_piece(step, carry):
+        # Piece p of the block (16 bytes): row p // 72, bytes 16 * (p % 72) of it. Consecutive threads take
+        # consecutive pieces, so each warp reads 512 contiguous bytes of one or two rows.
+        piece_id = arith.addi(thread, arith.muli(arith.index_cast(i32, step), mu.c(PRODUCER_THREADS, i32)))
+        row = arith.divui(piece_id, mu.c(pieces_per_row, i32))
+        piece = arith.remui(piece_id, mu.c(pieces_per_row, i32))
+        key = memref.load(indices_ref, [arith.index_cast(index, arith.addi(first, row))])
+        listed = arith.cmpi(arith.CmpIPredicate.sge, key, mu.c(0, i32))
+        key = arith.select(listed, key, mu.c(0, i32))
+        source = mu.getelementptr(table, [arith.addi(arith.muli(arith.extui(i64, key), mu.c(WIDTH, i64)),
+                                                     arith.extui(i64, arith.muli(piece, mu.c(PIECE, i32))))],
+                                  ir.BF16Type.get())
+        # The wgmma layout: 8-row tiles of 64 columns (1 KiB each, row-major over [row / 8, column / 64]); within
+        # one, row r's 16-byte chunk c sits at chunk c ^ r (the 128-byte swizzle).
+        in_tile = arith.remui(row, mu.c(8, i32))
+        tile = arith.addi(arith.muli(arith.divui(row, mu.c(8, i32)), mu.c(tiles_per_row, i32)),
+                          arith.divui(piece, mu.c(PIECE, i32)))
+        chunk = arith.xori(arith.remui(piece, mu.c(PIECE, i32)), in_tile)
+        offset = arith.addi(arith.addi(arith.muli(tile, mu.c(1024, i32)), arith.muli(in_tile, mu.c(128, i32))),
+                            arith.muli(chunk, mu.c(16, i32)))
+        target = mu.getelementptr(rows, [offset], ir.IntegerType.get_signless(8))
+        size = arith.select(listed, mu.c(16, i32), mu.c(0, i32))  # a −1 index: 16 bytes of zeros
+        nvvm.cp_async_shared_global(target, source, 16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+        return carry
+
+    steps = BLOCK_KEYS * pieces_per_row // PRODUCER_THREADS
+    mu.fori(mu.c(steps, index), ())(copy_piece)
+
+    # The 64 indices (256 bytes): 16 threads, 16 bytes each.
+    with mu.when(arith.cmpi(arith.CmpIPredicate.ult, thread, mu.c(BLOCK_KEYS * 4 // 16, i32))):
+        source = mu.getelementptr(global_pointer(indices_ref), [arith.extui(i64, arith.addi(
+            first, arith.muli(thread, mu.c(4, i32))))], i32)
+        target = mu.getelementptr(index_slot, [arith.muli(thread, mu.c(4, i32))], i32)
+        nvvm.cp_async_shared_global(target, source, 16, nvvm.LoadCacheModifierKind.CG)
+    nvvm.cp_async_commit_group()
+
+
+def _wait_for_gathers(pending: int):
+    """Emitted inline: wait until at most `pending` of this thread's cp.async groups are in flight."""
+    from jaxlib.mlir.dialects import nvvm
+
+    nvvm.cp_async_wait_group(pending)
+
+
+def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=None, num_splits: int | None = None):
+    """See the module docstring. `listed` (int32[T], optional): how many entries lead each list before its −1
+    padding (the indexer's layout); blocks past them are not gathered. Without it every block is."""
+    plgpu = _mosaic()
+    T, H, D = q.shape
+    topk = indices.shape[1]
+    problem = mosaic_problem(H, D, LATENT, flat_cache.dtype)
+    if problem:
+        raise ValueError(f"sparse_mla_decode_mosaic: {problem}")
+    splits = decode_splits(T, H, topk) if num_splits is None else num_splits
+    split_len = pl.cdiv(pl.cdiv(topk, splits), BLOCK_KEYS) * BLOCK_KEYS
+    padded = splits * split_len
+    indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, padded - topk)), constant_values=-1)
+    listed = jnp.full((T,), topk, jnp.int32) if listed is None else jnp.minimum(listed.astype(jnp.int32), topk)
+    scale_log2 = float(scale) * LOG2E  # scores in base 2: exp2 is one instruction
+    tiles = (plgpu.TilingTransform((8, TILE_COLUMNS)), plgpu.SwizzleTransform(128))
+
+    def kernel(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem, scratch):
+        q_smem, rows_smem, index_smem, alpha_smem, stats_smem, (rows_ready, rows_free, p_ready, q_ready, done) = scratch
+        head_block, split, t = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("t")
+        wg = lax.axis_index("wg")
+        heads = pl.ds(head_block * HEADS, HEADS)
+        first = split * split_len
+        in_split = jnp.clip(listed_gmem[t] - first, 0, split_len)
+        blocks = (in_split + BLOCK_KEYS - 1) // BLOCK_KEYS
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            row_base = t * padded + first
+
+            def gather(block, slot):
+                gather_args = (plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.RefType(tiles),
+                               plgpu.RefType())
+
+                @plgpu.inline_mgpu(arg_types=gather_args)
+                def _gather(ctx, table_ref, indices_ref, start, rows_ref, index_ref):
+                    del ctx
+                    _gather_block(table_ref, indices_ref, start.registers.item(), rows_ref, index_ref)
+
+                _gather(cache_gmem, indices_gmem, row_base + block * BLOCK_KEYS, rows_smem.at[slot],
+                        index_smem.at[slot])
+
+            def publish(block):
+                # Each thread's copies are complete (cp.async.wait_group); the fence orders them before the
+                # warpgroup's arrival for the tensor cores' reads (the async proxy).
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(rows_ready.at[block % SLOTS])
+
+            @pl.loop(0, blocks)
+            def _blocks(block):
+                slot = block % SLOTS
+
+                @pl.when(block >= SLOTS)
+                def _():
+                    plgpu.barrier_wait(rows_free.at[slot])
+
+                gather(block, slot)
+
+                @pl.when(block >= 1)
+                def _():
+                    plgpu.inline_mgpu()(lambda ctx: _wait_for_gathers(1))()
+                    publish(block - 1)
+
+            @pl.when(blocks >= 1)
+            def _():
+                plgpu.inline_mgpu()(lambda ctx: _wait_for_gathers(0))()
+                publish(blocks - 1)
+
+        def rescale(array, factor):
+            return array * lax.broadcast_in_dim(factor, array.shape, [0])
+
+        def finish(acc, total, columns):
+            """Normalise this warpgroup's output columns and store them (and, split, the log-sum-exp)."""
+            some = total > 0
+            out = rescale(acc, jnp.where(some, 1.0 / jnp.where(some, total, 1.0), 0.0))
+            out_gmem[t, split, heads, columns] = out.astype(out_gmem.dtype)
+
+        @pl.when(wg == 0)
+        def _softmax_owner():
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.copy_gmem_to_smem(q_gmem.at[t, heads], q_smem, q_ready)
+            plgpu.barrier_wait(q_ready)
+            m = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            total = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+
+            def block_step(block, carry):
+                acc, m, total = carry
+                slot = block % SLOTS
+                plgpu.barrier_wait(rows_ready.at[slot])
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(rows_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK_KEYS), jnp.float32))
+                # A key counts when it is listed (before `listed`) and not −1.
+                key = plgpu.load(index_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                position = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+                counts = (key >= 0) & (position < in_split - block * BLOCK_KEYS)
+                s = jnp.where(lax.broadcast_in_dim(counts, s.shape, [1]), s * scale_log2, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # every key so far none: exp2 stays finite
+                alpha = jnp.exp2(m - m_safe)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                total = total * alpha + p.sum(axis=1)
+                p16 = p.astype(jnp.bfloat16)
+                # P goes where the slot's rope columns were (read by S only, which is done): no buffer of its own,
+                # and the slot is refilled only once both warpgroups are done with it.
+                rows_smem[slot, :, pl.ds(LATENT, BLOCK_KEYS)] = p16
+                alpha_smem[slot] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready.at[slot])
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, rows_smem.at[slot, :, pl.ds(0, HALF)])
+
+                acc = pl.run_state(values)(plgpu.ACC.init(rescale(acc, alpha)))
+                plgpu.barrier_arrive(rows_free.at[slot])
+                return acc, m_new, total
+
+            acc, m, total = lax.fori_loop(0, blocks, block_step, (acc, m, total))
+            stats_smem[0] = total
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(done)
+            finish(acc, total, pl.ds(0, HALF))
+            if lse_gmem is not None:
+                some = total > 0
+                lse = jnp.where(some, (m + jnp.log2(jnp.where(some, total, 1.0))) / LOG2E, -jnp.inf)
+                lse_gmem[t, split, heads] = lse
+
+        @pl.when(wg == 1)
+        def _second_half():
+            plgpu.set_max_registers(232, action="increase")
+            acc = plgpu.layout_cast(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+
+            def block_step(block, acc):
+                slot = block % SLOTS
+                plgpu.barrier_wait(rows_ready.at[slot])
+                plgpu.barrier_wait(p_ready.at[slot])
+                alpha = plgpu.load(alpha_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, rows_smem.at[slot, :, pl.ds(LATENT, BLOCK_KEYS)],
+                                rows_smem.at[slot, :, pl.ds(HALF, HALF)])
+
+                acc = pl.run_state(values)(plgpu.ACC.init(rescale(acc, alpha)))
+                plgpu.barrier_arrive(rows_free.at[slot])
+                return acc
+
+            acc = lax.fori_loop(0, blocks, block_step, acc)
+            plgpu.barrier_wait(done)
+            total = plgpu.load(stats_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            finish(acc, total, pl.ds(HALF, HALF))
+
+    def entry(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem=None):
+        pl.run_scoped(
+            lambda *scratch: kernel(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem, scratch),
+            plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiles),
+            plgpu.SMEM((SLOTS, BLOCK_KEYS, WIDTH), jnp.bfloat16, transforms=tiles),
+            plgpu.SMEM((SLOTS, BLOCK_KEYS), jnp.int32),
+            plgpu.SMEM((SLOTS, HEADS), jnp.float32),
+            plgpu.SMEM((1, HEADS), jnp.float32),
+            (plgpu.Barrier(num_barriers=SLOTS),  # rows_ready: the producer's arrival
+             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # rows_free: both compute warpgroups
+             plgpu.Barrier(num_barriers=SLOTS),  # p_ready: warpgroup 0's P and rescale of the slot's block
+             plgpu.Barrier(),  # q_ready (TMA)
+             plgpu.Barrier()),  # done: warpgroup 0's row sums are in stats_smem
+            collective_axes="wg",
+        )
+
+    split_out = splits > 1
+    out_type = [jax.ShapeDtypeStruct((T, splits, H, LATENT), jnp.float32 if split_out else q.dtype)]
+    if split_out:
+        out_type.append(jax.ShapeDtypeStruct((T, splits, H), jnp.float32))
+    call = plgpu.kernel(
+        entry, out_type=tuple(out_type), grid=(H // HEADS, splits, T), grid_names=("h", "s", "t"),
+        num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+    outs = call(listed, q, flat_cache, indices.reshape(-1))
+    if not split_out:
+        return outs[0][:, 0]
+    from .sparse_mla_attention import _combine_splits
+
+    return _combine_splits(outs[0], outs[1], q.dtype)

@@ -1,0 +1,101 @@
+"""The Mosaic GPU sparse MLA decode kernel (`pallas_kernels.sparse_mla_mosaic`): its lowering for an H200 (any
+machine, jax 0.10 included), its split of the lists and the shapes it refuses (anywhere), and its output against
+dense attention masked to the same rows (on the GPU: its cp.async gather is inline Mosaic GPU code, which no
+interpreter runs)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sparse_mla_attention
+from pallas_kernels.sparse_mla_mosaic import BLOCK_KEYS, decode_splits, mosaic_problem, sparse_mla_decode_mosaic
+from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
+from tests.numerics import rms_relative_error
+from tests.pallas_kernels.test_sparse_mla_attention import _problem, dense_masked_attention
+
+
+@needs_mosaic_lowering
+@pytest.mark.parametrize("T, H, listed, splits", [(128, 128, False, None), (1, 128, True, None), (5, 64, True, 3),
+                                                  (32, 128, False, 1)])
+def test_kernel_lowers_for_the_h200(T, H, listed, splits):
+    """Mosaic GPU's lowering (the warpgroups' barriers, the wgmma operands' layouts, the inline cp.async gather, and
+    shared memory within the H200's 227 KiB), without a GPU: one program a query's head block (B=128), the list
+    split over programs (B=1, 5), and one program walking a whole 2048-key list."""
+    S = jax.ShapeDtypeStruct
+    args = [S((T, H, 576), jnp.bfloat16), S((1 << 18, 576), jnp.bfloat16), S((T, 2048), jnp.int32)]
+    if listed:
+        f = jax.jit(lambda q, c, i, n: sparse_mla_decode_mosaic(q, c, i, scale=0.04, listed=n, num_splits=splits))
+        args.append(S((T,), jnp.int32))
+    else:
+        f = jax.jit(lambda q, c, i: sparse_mla_decode_mosaic(q, c, i, scale=0.04, num_splits=splits))
+    jax.export.export(f, platforms=["cuda"])(*args)
+
+
+def test_lists_split_until_every_sm_has_a_program():
+    """B=128 at 128 heads already gives 256 programs; smaller batches split each list into runs of at least 4
+    blocks; a list of fewer than 8 blocks is not split."""
+    from pallas_kernels._dispatch import num_sms
+
+    assert decode_splits(128, heads=128, topk=2048) == 1
+    assert decode_splits(1, heads=128, topk=2048) == 2048 // (4 * BLOCK_KEYS)
+    splits = decode_splits(32, heads=128, topk=2048)
+    assert splits == -(-num_sms() // 64) and 32 * 2 * splits >= num_sms()
+    assert decode_splits(1, heads=128, topk=7 * BLOCK_KEYS) == 1
+
+
+def test_shapes_the_kernel_does_not_take_are_named():
+    assert mosaic_problem(128, 576, 512, jnp.bfloat16) is None
+    assert "heads=96" in mosaic_problem(96, 576, 512, jnp.bfloat16)
+    assert "576" in mosaic_problem(128, 320, 256, jnp.bfloat16)
+    assert "float32" in mosaic_problem(128, 576, 512, jnp.float32)
+
+
+def test_asking_for_the_mosaic_kernel_where_it_cannot_run_says_why():
+    q, cache, idx = _problem(jax.random.key(0), T=4, H=64, dl=512, dr=64, num_pages=2, page_size=64, topk=64)
+    q, cache = q.astype(jnp.bfloat16), cache.astype(jnp.bfloat16)
+    reason = "interpreter" if jax.default_backend() == "gpu" else "GPU"
+    with pytest.raises(ValueError, match=reason):
+        sparse_mla_attention(q, cache, idx, scale=0.04, impl="mosaic", interpret=jax.default_backend() == "gpu")
+    with pytest.raises(ValueError, match="heads=32"):
+        sparse_mla_attention(q[:, :32], cache, idx, scale=0.04, impl="mosaic")
+
+
+def _bf16_problem(seed, T, H, topk, num_pages=64):
+    q, cache, idx = _problem(jax.random.key(seed), T=T, H=H, dl=512, dr=64, num_pages=num_pages, page_size=64,
+                             topk=topk)
+    return q.astype(jnp.bfloat16), cache.astype(jnp.bfloat16), idx
+
+
+@needs_mosaic
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1])
+def test_compiled_kernel_equals_dense_masked_attention(splits):
+    """128 heads, top-2048 over 4,096 rows: a full list, a list of 5 then −1, a list of only −1 (zeros), a list with
+    holes; split over 8 programs each (the default at T=4), or one program walking the 32 blocks of each list
+    through the two row slots."""
+    q, cache, idx = _bf16_problem(2, T=4, H=128, topk=2048)
+    want = dense_masked_attention(q.astype(jnp.float32), cache.astype(jnp.float32), idx, 0.04, 512)
+    got = jax.jit(lambda *a: sparse_mla_attention(*a, scale=0.04, impl="mosaic", num_splits=splits))(q, cache, idx)
+    assert got.dtype == jnp.bfloat16
+    # P is rounded to bf16 before P @ V on the tensor cores: bf16-level error, as for the Triton kernel.
+    assert rms_relative_error(got, want) < 2e-2
+    assert not np.asarray(got[2], np.float32).any()
+
+
+@needs_mosaic
+@pytest.mark.gpu
+def test_compiled_kernel_walks_only_the_listed_blocks():
+    """`listed` counts per query (a partial last block, a single key, none, all), top-k of 200 (padded to whole
+    blocks with −1), 64 heads, 130 queries (more programs than SMs), where entries past the counts are stale rows
+    the kernel must not read as keys."""
+    T, topk = 130, 200
+    q, cache, idx = _bf16_problem(3, T=T, H=64, topk=topk)
+    listed = np.random.default_rng(0).integers(0, topk + 1, T)
+    listed[:4] = [topk, 1, 0, 65]
+    fresh = np.where(np.arange(topk)[None] < listed[:, None], np.asarray(idx), -1)
+    want = dense_masked_attention(q.astype(jnp.float32), cache.astype(jnp.float32), fresh, 0.04, 512)
+    got = jax.jit(lambda *a: sparse_mla_attention(*a, scale=0.04, impl="mosaic"))(
+        q, cache, jnp.asarray(np.asarray(idx)), listed=jnp.asarray(listed, jnp.int32))
+    assert rms_relative_error(got, want) < 2e-2
+    assert not np.asarray(got[listed == 0], np.float32).any()
