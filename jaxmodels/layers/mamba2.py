@@ -84,32 +84,32 @@ class Mamba2Mixer(nnx.Module):
             ssm=jax.ShapeDtypeStruct((num_slots, self.num_heads, self.head_dim, self.state_size), ssm_dtype))
 
     def forward_packed(self, hidden: jax.Array, cu_seqlens: jax.Array, conv_states=None, ssm_states=None,
-                       dt_floor_mask=None):
+                       dt_limit_mask=None):
         """hidden[T,D] packed by `cu_seqlens`[S+1] -> (out[T,D], conv_states[S,C,K-1], ssm_states[S,H,P,N]).
 
-        `dt_floor_mask` (bool[T], optional) applies the `time_step_limit` clamp to the marked tokens only. The serving
+        `dt_limit_mask` (bool[T], optional) applies the `time_step_limit` clamp to the marked tokens only. The serving
         engine needs it when it recomputes a preempted request: transformers clamps dt in its chunked (prompt) path
         but not in its one-token decode path, so tokens that were first decoded must be recomputed unclamped to
         reproduce the same state (it matters only where a config sets a limit other than (0, inf)).
         """
         conv = functools.partial(pallas_kernels.causal_conv1d, initial_states=conv_states)
-        gate, conv_states, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv, dt_floor_mask)
+        gate, conv_states, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv, dt_limit_mask)
         y, ssm_states = pallas_kernels.ssd_chunk_scan(**scan_args, initial_states=ssm_states)
         return self._output(y, gate, hidden.dtype), conv_states, ssm_states
 
     def forward_packed_pooled(self, hidden: jax.Array, cu_seqlens: jax.Array, cache: MambaCache, slot_ids,
-                              has_initial_state, dt_floor_mask=None):
+                              has_initial_state, dt_limit_mask=None):
         """`forward_packed` with both states read from and written to the slot pools in place:
         -> (out[T,D], MambaCache). Sequence s starts from its pools' rows slot_ids[s] where has_initial_state[s]
         (else from zeros) and leaves its final states there; empty sequences touch nothing, so padding rows cost no
         state traffic (see pallas_kernels.ssd_chunk_scan_pooled and causal_conv1d_pooled)."""
         pools = dict(slot_ids=slot_ids, has_initial_state=has_initial_state)
         conv = functools.partial(pallas_kernels.causal_conv1d_pooled, conv_pool=cache.conv, **pools)
-        gate, conv_pool, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv, dt_floor_mask)
+        gate, conv_pool, scan_args = self._packed_scan_inputs(hidden, cu_seqlens, conv, dt_limit_mask)
         y, ssm_pool = pallas_kernels.ssd_chunk_scan_pooled(**scan_args, state_pool=cache.ssm, **pools)
         return self._output(y, gate, hidden.dtype), MambaCache(conv=conv_pool, ssm=ssm_pool)
 
-    def _packed_scan_inputs(self, hidden, cu_seqlens, conv, dt_floor_mask):
+    def _packed_scan_inputs(self, hidden, cu_seqlens, conv, dt_limit_mask):
         """in_proj and the causal conv of packed tokens -> (gate z, what the conv returns besides its output (final
         states or the updated pool), the scan's arguments but its states). `conv(projected, weight, bias, *,
         cu_seqlens, activation, x_offset, split_at)` is `causal_conv1d` or `causal_conv1d_pooled` with its states
@@ -122,9 +122,9 @@ class Mamba2Mixer(nnx.Module):
         (x, bc), conv_states = conv(projected, self.conv1d.weight[...], self._conv_bias(), cu_seqlens=cu_seqlens,
                                     activation="silu", x_offset=self.intermediate, split_at=self.intermediate)
         dt_args = dict(dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=self.dt_limit)
-        if dt_floor_mask is not None:
+        if dt_limit_mask is not None:
             dt = self._softplus_dt(dt)
-            dt = jnp.where(dt_floor_mask[:, None], jnp.clip(dt, *self.dt_limit), dt)
+            dt = jnp.where(dt_limit_mask[:, None], jnp.clip(dt, *self.dt_limit), dt)
             dt_args = dict(dt_bias=None, dt_softplus=False, dt_limit=None)
         x, B, C = self._scan_operands(x, bc)
         return gate, conv_states, dict(x=x, dt=dt, A=self._A(), B=B, C=C, D=self.D[...], cu_seqlens=cu_seqlens,
@@ -227,7 +227,7 @@ class Mamba2Mixer(nnx.Module):
             return self.forward_verify(hidden, step, cache)
         # A request's first chunk starts from zero state, whatever its slot's previous owner left there (no prefix:
         # no initial state). Both pools are updated in place, only on the slots of real sequences.
-        # transformers floors dt on prompt tokens only (see forward_packed).
-        dt_floor = step.positions < step.token_prompt_lens()
+        # transformers clamps dt to time_step_limit on prompt tokens only (see forward_packed).
+        in_prompt = step.positions < step.token_prompt_lens()
         return self.forward_packed_pooled(hidden, step.cu_seqlens, cache, step.slot_ids, step.has_prefix,
-                                          dt_floor_mask=dt_floor)
+                                          dt_limit_mask=in_prompt)

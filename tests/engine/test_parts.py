@@ -138,8 +138,8 @@ def test_recompute_reproduces_decoded_mamba_state():
     for t in range(prompt_len, 9):
         _, conv, ssm = mixer.forward_decode(hidden[t:t + 1], conv, ssm, slot)
     cu = jnp.asarray([0, 9], jnp.int32)
-    floor = jnp.arange(9) < prompt_len
-    _, conv_re, ssm_re = mixer.forward_packed(hidden, cu, dt_floor_mask=floor)
+    in_prompt = jnp.arange(9) < prompt_len
+    _, conv_re, ssm_re = mixer.forward_packed(hidden, cu, dt_limit_mask=in_prompt)
     np.testing.assert_allclose(ssm_re[0], ssm[1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(conv_re[0], conv[1], rtol=1e-6, atol=1e-6)
     _, _, ssm_all_floored = mixer.forward_packed(hidden, cu)
