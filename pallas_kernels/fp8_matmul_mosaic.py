@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._dispatch import num_sms
+from ._mosaic import load_with_layout, mosaic_gpu
 
 BLOCK = 128  # the scale block along both N and K; also the K step and the column tile
 # w's block scales are stored SCALE_LANES times each and read 128 bytes at a time: a TMA copy into shared memory
@@ -55,11 +56,6 @@ CLUSTER = "cluster"  # the cluster axis: a CTA's rank in its cluster
 # pairs (DeepGEMM's choice) are the only size lowered and interpreted so far.
 CLUSTER_SIZES = (1, 2)
 
-
-def _mosaic():
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu
 
 
 def row_multiple(tile_m: int = 64, cluster: int = 1) -> int:
@@ -180,7 +176,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
     items = item_expert.shape[0]
     if items % cluster:
         raise ValueError(f"{items} items do not split into clusters of {cluster}")
-    plgpu = _mosaic()
+    plgpu = mosaic_gpu()
     (M, K), (E, N, _) = x8.shape, w8.shape
     cta_m = 2 * tile_m  # one [tile_m, 128] half per consumer warpgroup
     n_iters, k_iters = N // BLOCK, K // BLOCK
@@ -241,8 +237,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                     part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
                     # The column tile is one scale block of w: its scale is a scalar, folded into the row scales, so
                     # the promotion is one multiply-add per element.
-                    # The index `()` is explicit: jax 0.10's plgpu.load has no default for it.
-                    row_scale = plgpu.load(xs_smem.at[0, rows], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                    row_scale = load_with_layout(xs_smem.at[0, rows], plgpu.Layout.WGMMA.reduce(1))
                     scales = row_scale * ws_smem[0, 0]
                     return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
 

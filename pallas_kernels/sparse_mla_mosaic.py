@@ -45,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._dispatch import num_sms
+from ._mosaic import load_with_layout, mosaic_gpu
 
 HEADS = 64  # heads a program: wgmma's M
 BLOCK_KEYS = 64  # keys a block: S's N, and P V's K
@@ -57,11 +58,6 @@ PIECE = 8  # bf16 values a cp.async moves (16 bytes)
 PRODUCER_THREADS = 128
 LOG2E = math.log2(math.e)
 
-
-def _mosaic():
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu
 
 
 def mosaic_problem(heads: int, width: int, latent: int, dtype) -> str | None:
@@ -154,7 +150,7 @@ def _wait_for_gathers(pending: int):
 def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=None, num_splits: int | None = None):
     """See the module docstring. `listed` (int32[T], optional): how many entries lead each list before its −1
     padding (the indexer's layout); blocks past them are not gathered. Without it every block is."""
-    plgpu = _mosaic()
+    plgpu = mosaic_gpu()
     T, H, D = q.shape
     topk = indices.shape[1]
     problem = mosaic_problem(H, D, LATENT, flat_cache.dtype)
@@ -249,7 +245,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
 
                 s = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK_KEYS), jnp.float32))
                 # A key counts when it is listed (before `listed`) and not −1.
-                key = plgpu.load(index_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                key = load_with_layout(index_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 position = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
                 counts = (key >= 0) & (position < in_split - block * BLOCK_KEYS)
                 s = jnp.where(lax.broadcast_in_dim(counts, s.shape, [1]), s * scale_log2, -jnp.inf)
@@ -292,7 +288,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
                 slot = block % SLOTS
                 plgpu.barrier_wait(rows_ready.at[slot])
                 plgpu.barrier_wait(p_ready.at[slot])
-                alpha = plgpu.load(alpha_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                alpha = load_with_layout(alpha_smem.at[slot], plgpu.Layout.WGMMA.reduce(1))
 
                 def values(acc_ref):
                     plgpu.wgmma(acc_ref, rows_smem.at[slot, :, pl.ds(LATENT, BLOCK_KEYS)],
@@ -304,7 +300,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
 
             acc = lax.fori_loop(0, blocks, block_step, acc)
             plgpu.barrier_wait(done)
-            total = plgpu.load(stats_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            total = load_with_layout(stats_smem.at[0], plgpu.Layout.WGMMA.reduce(1))
             finish(acc, total, pl.ds(HALF, HALF))
 
     def entry(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem=None):
