@@ -184,8 +184,9 @@ for what in "$@"; do
           timeout 150 python3 -m jaxmodels bench --no-progress --config bench/configs/deepseek_v32_4layer.json \
             --phases decode --batches 1 --decode-steps 24 $fp8 --profile "/tmp/prof_b1$fp8" > "$log" 2>&1
           echo "--- ${fp8:-bf16}: exit $?"; grep -A40 "^| B\|^| category\|^| op" "$log" | head -45; done ;;
-    # The Mosaic GPU sparse MLA decode kernel (issue 42): its tests, the probe of its parts, its check and timings beside the Triton kernel's
-    # (B=1/32/128), then DeepSeek 4-layer decode at B=32/128 on each kernel (JAXMODELS_SPARSE_MLA_KERNEL).
+    # The Mosaic GPU sparse MLA decode kernel (issue 42): its tests, the probe of its parts, its check and timings
+    # beside the Triton kernel's (B=1/32/128), then DeepSeek 4-layer decode at B=32/128 on each kernel
+    # (JAXMODELS_SPARSE_MLA_KERNEL).
     mla_mosaic) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_sparse_mla_mosaic.py \
           2>&1 | tail -8
         timeout 90 python3 bench/lab/mosaic_mla_probe.py 2>&1 | tail -24
