@@ -230,7 +230,7 @@ def _takes_mosaic(impl: str, interpret: bool, q, latent_cache, kv_lora_rank: int
 
     if impl != "mosaic" and not (impl == "auto" and KERNEL == "mosaic" and on_gpu() and not interpret):
         return False
-    problem = (mosaic_problem(q.shape[1], q.shape[2], kv_lora_rank, latent_cache.dtype)
+    problem = (mosaic_problem(q.shape[1], q.shape[2], kv_lora_rank, q.dtype, latent_cache.dtype)
                or ("its cp.async gather is inline Mosaic GPU code, which no interpreter runs" if interpret else None)
                or (None if on_gpu() else "it runs on a GPU only")
                or (None if mosaic_kernels_available() else "this jax has no Mosaic GPU kernels (jax >= 0.11)")

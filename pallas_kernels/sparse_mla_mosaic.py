@@ -60,14 +60,15 @@ LOG2E = math.log2(math.e)
 
 
 
-def mosaic_problem(heads: int, width: int, latent: int, dtype) -> str | None:
-    """Why this kernel cannot take these shapes, or None."""
+def mosaic_problem(heads: int, width: int, latent: int, *dtypes) -> str | None:
+    """Why this kernel cannot take these shapes and dtypes (of the query and the cache), or None."""
     if heads % HEADS:
         return f"heads={heads} is not a multiple of {HEADS}"
     if (width, latent) != (WIDTH, LATENT):
         return f"latent rows of {width} with {latent} value columns (the kernel is laid out for {WIDTH} / {LATENT})"
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        return f"{jnp.dtype(dtype)} cache (the kernel takes bf16)"
+    for dtype in dtypes:
+        if jnp.dtype(dtype) != jnp.bfloat16:
+            return f"{jnp.dtype(dtype)} operands (the kernel takes bf16 queries and cache)"
     return None
 
 
@@ -153,7 +154,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     plgpu = mosaic_gpu()
     T, H, D = q.shape
     topk = indices.shape[1]
-    problem = mosaic_problem(H, D, LATENT, flat_cache.dtype)
+    problem = mosaic_problem(H, D, LATENT, q.dtype, flat_cache.dtype)
     if problem:
         raise ValueError(f"sparse_mla_decode_mosaic: {problem}")
     splits = decode_splits(T, H, topk) if num_splits is None else num_splits

@@ -45,10 +45,11 @@ def test_lists_split_until_every_sm_has_a_program():
 
 
 def test_shapes_the_kernel_does_not_take_are_named():
-    assert mosaic_problem(128, 576, 512, jnp.bfloat16) is None
-    assert "heads=96" in mosaic_problem(96, 576, 512, jnp.bfloat16)
-    assert "576" in mosaic_problem(128, 320, 256, jnp.bfloat16)
-    assert "float32" in mosaic_problem(128, 576, 512, jnp.float32)
+    assert mosaic_problem(128, 576, 512, jnp.bfloat16, jnp.bfloat16) is None
+    assert "heads=96" in mosaic_problem(96, 576, 512, jnp.bfloat16, jnp.bfloat16)
+    assert "576" in mosaic_problem(128, 320, 256, jnp.bfloat16, jnp.bfloat16)
+    assert "float32" in mosaic_problem(128, 576, 512, jnp.float32, jnp.bfloat16)
+    assert "float8" in mosaic_problem(128, 576, 512, jnp.bfloat16, jnp.float8_e4m3fn)
 
 
 def test_asking_for_the_mosaic_kernel_where_it_cannot_run_says_why():
