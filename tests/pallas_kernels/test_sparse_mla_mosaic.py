@@ -3,6 +3,8 @@ machine, jax 0.10 included), its split of the lists and the shapes it refuses (a
 dense attention masked to the same rows (on the GPU: its cp.async gather is inline Mosaic GPU code, which no
 interpreter runs)."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,3 +102,21 @@ def test_compiled_kernel_walks_only_the_listed_blocks():
         q, cache, jnp.asarray(np.asarray(idx)), listed=jnp.asarray(listed, jnp.int32))
     assert rms_relative_error(got, want) < 2e-2
     assert not np.asarray(got[listed == 0], np.float32).any()
+
+
+@needs_mosaic_lowering
+@pytest.mark.parametrize("kernel", ["mosaic", "triton"])
+def test_auto_takes_the_mosaic_kernel_on_a_hopper_when_asked(kernel, monkeypatch, cuda_lowering):
+    """With JAXMODELS_SPARSE_MLA_KERNEL=mosaic, `auto` lowers a paged cache's attention with the indexer's counts (as
+    the MLA layer calls it) onto the Mosaic kernel on a Hopper GPU (here a CPU told it is one); by default it does
+    not."""
+    dispatch = importlib.import_module("pallas_kernels.sparse_mla_attention")  # the package's name is the function
+    monkeypatch.setattr(dispatch, "KERNEL", kernel)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "is_hopper", lambda: True)
+    monkeypatch.setattr(dispatch, "mosaic_kernels_available", lambda: True)
+    S = jax.ShapeDtypeStruct
+    text = cuda_lowering(jax.jit(lambda q, c, i, n: sparse_mla_attention(q, c, i, scale=0.04, listed=n)),
+                         S((8, 128, 576), jnp.bfloat16), S((64, 64, 576), jnp.bfloat16), S((8, 2048), jnp.int32),
+                         S((8,), jnp.int32))
+    assert ("mosaic_gpu" in text) == (kernel == "mosaic")
