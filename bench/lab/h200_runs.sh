@@ -187,9 +187,11 @@ for what in "$@"; do
     # The Mosaic GPU sparse MLA decode kernel (issue 42): its tests, the probe of its parts, its check and timings
     # beside the Triton kernel's (B=1/32/128), then DeepSeek 4-layer decode at B=32/128 on each kernel
     # (JAXMODELS_SPARSE_MLA_KERNEL).
-    mla_mosaic) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_sparse_mla_mosaic.py \
+    # The probe goes first: a kernel that hangs (a barrier waited on and never arrived at) stops the run there.
+    mla_mosaic) timeout 120 python3 bench/lab/mosaic_mla_probe.py 2>&1 | tail -24
+        if [ "${PIPESTATUS[0]}" = 124 ]; then echo "the probe timed out: the kernel hangs?"; continue; fi
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_sparse_mla_mosaic.py \
           2>&1 | tail -8
-        timeout 90 python3 bench/lab/mosaic_mla_probe.py 2>&1 | tail -24
         timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --quick --only mla_decode \
           --log "$OUT/mla_mosaic.log" 2>&1 | grep -v Warning | grep -i "check\|B=\|mosaic\|error" | tail -30
         for kernel in triton mosaic; do echo "--- JAXMODELS_SPARSE_MLA_KERNEL=$kernel"
