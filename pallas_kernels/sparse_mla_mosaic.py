@@ -72,13 +72,22 @@ def mosaic_problem(heads: int, width: int, latent: int, *dtypes) -> str | None:
     return None
 
 
+MIN_BLOCKS_PER_SPLIT = 4
+
+
 def decode_splits(num_queries: int, heads: int, topk: int) -> int:
-    """How many programs share one query's list: enough programs for every SM (one program fills an SM's shared
-    memory), each split a whole number of blocks of at least 4."""
+    """How many programs share one query's list (each at least MIN_BLOCKS_PER_SPLIT blocks): the fewest that
+    minimise the blocks an SM walks. A program takes an SM's whole shared memory, so the programs run in waves of one
+    per SM, and a wave takes as long as a program's blocks: at B=32 (64 programs a split) two splits run in one wave
+    of 16 blocks, where three would run two waves of 11."""
     programs = num_queries * (heads // HEADS)
-    wanted = pl.cdiv(num_sms(), programs)
-    most = max(1, topk // (4 * BLOCK_KEYS))
-    return max(1, min(wanted, most))
+    blocks = pl.cdiv(topk, BLOCK_KEYS)
+    most = max(1, blocks // MIN_BLOCKS_PER_SPLIT)
+
+    def walked(splits):  # blocks an SM walks: waves x blocks a program
+        return pl.cdiv(programs * splits, num_sms()) * pl.cdiv(blocks, splits)
+
+    return min(range(1, most + 1), key=lambda splits: (walked(splits), splits))
 
 
 def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):

@@ -34,16 +34,17 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
     jax.export.export(f, platforms=["cuda"])(*args)
 
 
-def test_lists_split_until_every_sm_has_a_program():
-    """B=128 at 128 heads already gives 256 programs; smaller batches split each list into runs of at least 4
-    blocks; a list of fewer than 8 blocks is not split."""
-    from pallas_kernels._dispatch import num_sms
-
+def test_lists_split_to_fill_whole_waves_of_programs(monkeypatch):
+    """On 132 SMs (one program each) at 128 heads, top-2048 (32 blocks): B=128 gives 256 programs unsplit; B=32
+    splits in two (one wave of 128 programs, 16 blocks each; three splits would be two waves of 11); B=1 splits as
+    far as 4 blocks a program allows; a list of fewer than 8 blocks is not split."""
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "num_sms", lambda: 132)
     assert decode_splits(128, heads=128, topk=2048) == 1
+    assert decode_splits(32, heads=128, topk=2048) == 2
     assert decode_splits(1, heads=128, topk=2048) == 2048 // (4 * BLOCK_KEYS)
-    splits = decode_splits(32, heads=128, topk=2048)
-    assert splits == -(-num_sms() // 64) and 32 * 2 * splits >= num_sms()
     assert decode_splits(1, heads=128, topk=7 * BLOCK_KEYS) == 1
+    assert decode_splits(48, heads=128, topk=2048) == 4  # 96 programs a split: 2 -> 2 waves of 16, 4 -> 3 of 8
 
 
 def test_shapes_the_kernel_does_not_take_are_named():
