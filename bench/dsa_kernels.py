@@ -4,6 +4,7 @@ floor (bytes at 4.25 TB/s or FLOPs at 810 TFLOP/s, the H200 ceilings measured in
     PYTHONPATH=. python bench/dsa_kernels.py --check [--quick] [--log $OUT/dsa.log]
     PYTHONPATH=. python bench/dsa_kernels.py --check --only select,mla_decode            # issue 14: select, decode
     PYTHONPATH=. python bench/dsa_kernels.py --only indexer --indexer-kinds decode --ctx 131072
+    PYTHONPATH=. python bench/dsa_kernels.py --check --only mla_decode --mosaic   # the Mosaic kernel beside Triton's
 
 Rows marked OLD run the kernels with the options that reproduce their pre-issue-14 algorithm (OLD_SELECT,
 OLD_INDEXER, OLD_MLA); `{}` rows run the defaults.
@@ -39,6 +40,9 @@ from pallas_kernels.topk_select import GROUP, masked_keys_and_group_max, select_
 CTXS = [8192, 32768, 131072]
 INDEXER_KINDS = ["decode", "prefill"]
 MLA_BATCHES = [1, 32, 128]
+# Whether the sparse MLA sections check and time the Mosaic GPU kernel too (--mosaic): off by default until it has run
+# once on a GPU, so that a hang there (a barrier never arrived at) cannot stop the GPU check's kernel checks.
+MOSAIC_MLA = []
 
 # The kernels as they were before the decode splits and the group compaction (issue 14), for side-by-side rows:
 # the select with a second pass over the row and 32 + 32 fixed counting passes, its own group-maxima pass, the
@@ -186,7 +190,7 @@ def check_sparse_mla():
         e = rel_err(got.astype(jnp.float32), ref)
         say(f"check sparse_mla {opts}: rel err {e:.2e}, empty row zero {bool(jnp.all(got[2] == 0))}")
         assert e < 2e-2 and bool(jnp.all(got[2] == 0))
-    if mosaic_kernels_available():
+    if MOSAIC_MLA:
         flat = cache.reshape(-1, 576)
         for splits in [None, 1]:
             got = jax.jit(lambda *a: sparse_mla_decode_mosaic(*a, scale=576 ** -0.5, num_splits=splits))(q, flat, idx)
@@ -392,7 +396,7 @@ def bench_sparse_mla(quick):
                 continue
             row(f"sparse MLA decode B={B} keys={listed} {old}{label(opts)}", t_k, t_r, floor,
                 f"FLOP floor {flop_floor * 1e3:.3f} ms = {100 * flop_floor / t_k:.0f}%")
-        if not mosaic_kernels_available():
+        if not MOSAIC_MLA:
             continue
         n = jnp.full((B,), listed, jnp.int32)
         try:  # the Hopper kernel (sparse_mla_mosaic), on the indexer's counts as the model passes them
@@ -505,7 +509,11 @@ def main():
     ap.add_argument("--ctx", default="8192,32768,131072", help="indexer contexts")
     ap.add_argument("--indexer-kinds", default="decode,prefill", help="indexer cases: decode (B=1, 32), prefill")
     ap.add_argument("--mla-batches", default="1,32,128", help="sparse MLA decode batch sizes")
+    ap.add_argument("--mosaic", action="store_true", help="sparse MLA: check and time the Mosaic GPU kernel too")
     args = ap.parse_args()
+    if args.mosaic and not mosaic_kernels_available():
+        raise SystemExit("--mosaic: this jax has no Mosaic GPU kernels (jax >= 0.11)")
+    MOSAIC_MLA[:] = [True] * args.mosaic
     MLA_BATCHES[:] = [int(b) for b in args.mla_batches.split(",")]
     CTXS[:] = [int(c) for c in args.ctx.split(",")]
     INDEXER_KINDS[:] = args.indexer_kinds.split(",")

@@ -4,6 +4,7 @@ dense attention masked to the same rows (on the GPU: its cp.async gather is inli
 interpreter runs)."""
 
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,12 @@ from pallas_kernels.sparse_mla_mosaic import BLOCK_KEYS, decode_splits, mosaic_p
 from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
 from tests.numerics import rms_relative_error
 from tests.pallas_kernels.test_sparse_mla_attention import _problem, dense_masked_attention
+
+# The kernel has not yet run on a GPU: until it has, the suite runs its GPU tests only when asked
+# (MOSAIC_MLA_GPU_TESTS=1, as `bash bench/lab/h200_runs.sh mla_mosaic` does), so that a hang there (a barrier never
+# arrived at) cannot stop the whole GPU suite.
+asked_for = pytest.mark.skipif(os.environ.get("MOSAIC_MLA_GPU_TESTS") != "1",
+                               reason="the unverified Mosaic kernel runs on the GPU when MOSAIC_MLA_GPU_TESTS=1")
 
 
 @needs_mosaic_lowering
@@ -72,6 +79,7 @@ def _bf16_problem(seed, T, H, topk, num_pages=64):
 
 
 @needs_mosaic
+@asked_for
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 1])
 def test_compiled_kernel_equals_dense_masked_attention(splits):
@@ -88,6 +96,7 @@ def test_compiled_kernel_equals_dense_masked_attention(splits):
 
 
 @needs_mosaic
+@asked_for
 @pytest.mark.gpu
 def test_compiled_kernel_walks_only_the_listed_blocks():
     """`listed` counts per query (a partial last block, a single key, none, all), top-k of 200 (padded to whole
