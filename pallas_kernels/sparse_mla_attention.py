@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ._dispatch import (dot_precision, fit_stages, is_hopper, mosaic_kernels_available, next_pow2, on_gpu,
                         pow2_tile_problem, resolve_impl)
+from .sparse_mla_mosaic import mosaic_problem, sparse_mla_decode_mosaic
 
 # Which compiled kernel `auto` runs on the GPU: "triton" (`sparse_mla_attention_pallas`) or "mosaic" (the Hopper
 # kernel of `sparse_mla_mosaic`, where jax has Mosaic GPU and the shapes fit it). Triton stays the default until the
@@ -226,8 +227,6 @@ def pallas_problem(heads: int, latent_dim: int, rope_dim: int, block_h: int = 32
 def _takes_mosaic(impl: str, interpret: bool, q, latent_cache, kv_lora_rank: int) -> bool:
     """Whether this call runs the Mosaic GPU kernel: asked for by name (impl="mosaic", which raises where it cannot
     run), or under `auto` on a Hopper GPU when KERNEL says so and the shapes fit it."""
-    from .sparse_mla_mosaic import mosaic_problem
-
     if impl != "mosaic" and not (impl == "auto" and KERNEL == "mosaic" and on_gpu() and not interpret):
         return False
     problem = (mosaic_problem(q.shape[1], q.shape[2], kv_lora_rank, q.dtype, latent_cache.dtype)
@@ -249,8 +248,6 @@ def sparse_mla_attention(q, latent_cache, indices, *, scale: float, kv_lora_rank
     them being −1, as the indexer lays its lists out (min(visible keys, k)); the kernel then gathers no chunk past
     them, which matters when k is much wider than what a query sees (every key selected over long rows)."""
     if _takes_mosaic(impl, interpret, q, latent_cache, kv_lora_rank):
-        from .sparse_mla_mosaic import sparse_mla_decode_mosaic
-
         return sparse_mla_decode_mosaic(q, latent_cache.reshape(-1, q.shape[-1]), indices, scale=scale,
                                         listed=listed, num_splits=kernel_options.get("num_splits"))
     problem = pallas_problem(q.shape[1], kv_lora_rank, q.shape[2] - kv_lora_rank,

@@ -9,9 +9,10 @@ columns and Dr = 64 rope columns, −1 = no key), for H a multiple of 64.
 Why another kernel: the Triton one (`sparse_mla_attention_pallas`) decodes B=128 at top-2048 and 128 heads in
 0.310 ms, 26% of the byte floor (0.080) where its FLOP floor is 0.090 (docs/BENCHMARKS.md). It runs 32 heads a
 program on `mma.sync` tiles, which re-read the gathered rows from shared memory for every 32 heads; its [32, 512]
-float32 accumulator already spills at 255 registers (ptxas, `python tools/aot_h200.py sparse_mla_triton`), and 64
-heads a program spill more in Triton. FlashMLA reaches about 410 TFLOP/s on the H800 with 64 heads a program, wgmma
-tiles, and a [64, 512] float32 accumulator split between two warpgroups, which is what this kernel builds.
+float32 accumulator already spills at 255 registers (84 bytes, `.venv-aot/bin/python tools/aot_h200.py
+sparse_mla_triton`), and 64 heads a program spilled more in Triton. FlashMLA reaches about 410 TFLOP/s on the H800
+with 64 heads a program, wgmma tiles, and a [64, 512] float32 accumulator split between two warpgroups, which is
+what this kernel builds.
 
 A program (CTA) takes 64 heads of one query and one split of its top-k list, in blocks of 64 keys, with three
 warpgroups:
@@ -22,13 +23,18 @@ warpgroups:
     on consecutive bytes of a row. A −1 entry copies zeros (source size 0). It also copies the block's 64 indices,
     which mark the keys that are none.
   * warpgroup 0 owns the softmax: S = Q Kᵀ over all 576 columns ([64 heads, 64 keys], the query block read from
-    shared memory, loaded once), the online softmax in base 2, P in bf16 to shared memory with each row's rescale
-    factor, then O[:, :256] += P V[:, :256] with P from its registers.
+    shared memory, loaded once), the online softmax in base 2, then O[:, :256] += P V[:, :256] with P in bf16 from
+    its registers. It also writes P to shared memory, where the slot's rope columns were (S was their only reader,
+    and the slot is refilled only once both warpgroups are done with it), with each row's rescale factor.
   * warpgroup 1 takes P and the rescale from shared memory and adds P V[:, 256:] into O[:, 256:].
 Warpgroup 0 issues 3.4 M of the 4.5 M multiply-adds a block. FlashMLA balances the two by alternating which one
 computes S ("seesaw"), which needs each warpgroup's softmax to wait for the other's row maxima; this first form
 keeps one owner of the softmax state and relies on warpgroup 1's products filling the tensor cores while warpgroup 0
-runs its softmax. Shared memory: the query block 72 KiB, two row slots of 72 KiB, P 8 KiB, within the H200's 227.
+runs its softmax. Shared memory: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own, of
+the H200's 227: P has no buffer of its own for that reason).
+
+ptxas (`tools/aot_h200.py`) reports 132 bytes of spills: loop-invariant wgmma descriptors of warpgroup 0, reloaded
+about 20 times a block from local memory, against some 2,000 cycles of tensor-core work a block.
 
 Decode batches too small to fill the GPU split each list (flash-decoding): each split writes its normalised output
 and log-sum-exp, combined in XLA by `sparse_mla_attention._combine_splits`, as in the Triton kernel.
@@ -36,7 +42,6 @@ and log-sum-exp, combined in XLA by `sparse_mla_attention._combine_splits`, as i
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -56,8 +61,8 @@ HALF = LATENT // 2  # output columns a compute warpgroup owns
 TILE_COLUMNS = 64  # bf16 columns of one 128-byte swizzle atom
 PIECE = 8  # bf16 values a cp.async moves (16 bytes)
 PRODUCER_THREADS = 128
+MIN_BLOCKS_PER_SPLIT = 4  # a split's blocks at least: the two slots' pipeline needs a few to fill
 LOG2E = math.log2(math.e)
-
 
 
 def mosaic_problem(heads: int, width: int, latent: int, *dtypes) -> str | None:
@@ -70,9 +75,6 @@ def mosaic_problem(heads: int, width: int, latent: int, *dtypes) -> str | None:
         if jnp.dtype(dtype) != jnp.bfloat16:
             return f"{jnp.dtype(dtype)} operands (the kernel takes bf16 queries and cache)"
     return None
-
-
-MIN_BLOCKS_PER_SPLIT = 4
 
 
 def decode_splits(num_queries: int, heads: int, topk: int) -> int:
@@ -111,7 +113,6 @@ def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):
 
     table, indices = global_pointer(table_ref), global_pointer(indices_ref)
     rows, index_slot = mu.memref_ptr(rows_ref), mu.memref_ptr(index_ref)
-    del indices
 
     def copy_piece(step, carry):
         # Piece p of the block (16 bytes): row p // 72, bytes 16 * (p % 72) of it. Consecutive threads take
@@ -143,8 +144,8 @@ def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):
 
     # The 64 indices (256 bytes): 16 threads, 16 bytes each.
     with mu.when(arith.cmpi(arith.CmpIPredicate.ult, thread, mu.c(BLOCK_KEYS * 4 // 16, i32))):
-        source = mu.getelementptr(global_pointer(indices_ref), [arith.extui(i64, arith.addi(
-            first, arith.muli(thread, mu.c(4, i32))))], i32)
+        source = mu.getelementptr(indices, [arith.extui(i64, arith.addi(first, arith.muli(thread, mu.c(4, i32))))],
+                                  i32)
         target = mu.getelementptr(index_slot, [arith.muli(thread, mu.c(4, i32))], i32)
         nvvm.cp_async_shared_global(target, source, 16, nvvm.LoadCacheModifierKind.CG)
     nvvm.cp_async_commit_group()
@@ -339,6 +340,6 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     outs = call(listed, q, flat_cache, indices.reshape(-1))
     if not split_out:
         return outs[0][:, 0]
-    from .sparse_mla_attention import _combine_splits
+    from .sparse_mla_attention import _combine_splits  # here: that module imports this one
 
     return _combine_splits(outs[0], outs[1], q.dtype)

@@ -14,8 +14,8 @@ aot_h200 = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(aot_h200)
 
 # ptxas 13.0 -v on the first form of pallas_kernels/sparse_mla_mosaic.py (2026-12-04), then a second kernel.
-REPORT = """ptxas warning : Registers are spilled to local memory in function 'entry_mosaic_gpu_kernel', 200 bytes spill stores, 200 bytes spill loads
-ptxas info    : 0 bytes gmem
+REPORT = ("ptxas warning : Registers are spilled to local memory in function 'entry_mosaic_gpu_kernel', "
+          "200 bytes spill stores, 200 bytes spill loads\n") + """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'entry_mosaic_gpu_kernel' for 'sm_90a'
 ptxas info    : Function properties for entry_mosaic_gpu_kernel
     184 bytes stack frame, 200 bytes spill stores, 200 bytes spill loads

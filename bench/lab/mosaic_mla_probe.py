@@ -7,7 +7,7 @@ GPU machine with jax >= 0.11:
 | case | answer | what a wrong answer points at |
 |---|---|---|
 | one key | the listed key's value row | the gather (a row, its swizzle), P V, the normalisation |
-| uniform | the mean of the listed rows (q = 0: every score 0) | the gather of whole blocks, the two row slots, the row sums |
+| uniform | the mean of the listed rows (q = 0: scores all 0) | the gather of whole blocks, both slots, the row sums |
 | argmax | the one key whose row q points at (large scale) | S = Q Kᵀ (operand layouts), the masking |
 | holes | as uniform, over the rows that are not −1 | the −1 rows' zeros and masking |
 | split | uniform with the list split over 4 programs | the split outputs' log-sum-exp and their combine |
