@@ -188,7 +188,7 @@ for what in "$@"; do
     # beside the Triton kernel's (B=1/32/128), then DeepSeek 4-layer decode at B=32/128 on each kernel
     # (JAXMODELS_SPARSE_MLA_KERNEL).
     # The probe goes first: a kernel that hangs (a barrier waited on and never arrived at) stops the run there.
-    mla_mosaic) timeout 120 python3 bench/lab/mosaic_mla_probe.py 2>&1 | tail -24
+    mla_mosaic) timeout 120 python3 bench/lab/mosaic_mla_probe.py 2>&1 | grep -v Warning | tail -60
         if [ "${PIPESTATUS[0]}" = 124 ]; then echo "the probe timed out: the kernel hangs?"; continue; fi
         MOSAIC_MLA_GPU_TESTS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_sparse_mla_mosaic.py \
           2>&1 | tail -8

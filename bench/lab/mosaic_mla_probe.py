@@ -73,7 +73,10 @@ def main():
                 bf16(q), bf16(cache), jnp.asarray(idx), jnp.asarray(listed))
             got = np.asarray(got, np.float32)
         except Exception:  # noqa: BLE001 - the probe reports and goes on to the next case
-            print(f"{name:<10} failed:\n{traceback.format_exc(limit=3)}")
+            # The error's own lines (the traceback's end) say most: a lowering error names the op.
+            lines = [line for line in traceback.format_exc().strip().splitlines()
+                     if not line.startswith(("-----", "For simplicity"))]
+            print(f"{name:<10} failed: " + "\n    ".join(lines[-6:]))
             continue
         error = np.abs(got - want) / np.maximum(np.abs(want).max(), 1e-6)
         halves = [error[..., :HALF].max(), error[..., HALF:].max()]
