@@ -101,7 +101,6 @@ def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):
     from jaxlib.mlir.dialects import arith, gpu, llvm, memref, nvvm
 
     i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
-    pieces_per_row = WIDTH // PIECE
     tiles_per_row = WIDTH // TILE_COLUMNS
     thread = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mu.c(PRODUCER_THREADS, i32))
 
@@ -114,33 +113,37 @@ def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):
     table, indices = global_pointer(table_ref), global_pointer(indices_ref)
     rows, index_slot = mu.memref_ptr(rows_ref), mu.memref_ptr(index_ref)
 
-    def copy_piece(step, carry):
-        # Piece p of the block (16 bytes): row p // 72, bytes 16 * (p % 72) of it. Consecutive threads take
-        # consecutive pieces, so each warp reads 512 contiguous bytes of one or two rows.
-        piece_id = arith.addi(thread, arith.muli(arith.index_cast(i32, step), mu.c(PRODUCER_THREADS, i32)))
-        row = arith.divui(piece_id, mu.c(pieces_per_row, i32))
-        piece = arith.remui(piece_id, mu.c(pieces_per_row, i32))
+    # Eight threads a row, thread `lane` copying its 16-byte chunks lane, lane + 8, ..., lane + 64 (one per 64-column
+    # tile): each copy instruction of a warp reads 128 contiguous bytes of each of 4 rows, and a thread loads the
+    # index of one row per pass, 4 passes of 16 rows a block (a load per chunk kept the copies waiting on 36
+    # dependent loads a block). In the wgmma layout (8-row tiles of 64 columns, 1 KiB each, row-major over
+    # [row / 8, column / 64]) row r's chunk c of a tile sits at chunk c ^ (r % 8) (the 128-byte swizzle): the same
+    # for all of a thread's copies of a row, which sit 1 KiB apart.
+    rows_per_pass = PRODUCER_THREADS // PIECE
+    lane = arith.remui(thread, mu.c(PIECE, i32))
+    row_in_pass = arith.divui(thread, mu.c(PIECE, i32))
+    in_tile = arith.remui(row_in_pass, mu.c(8, i32))  # a pass covers whole tiles: the row's place in its tile
+    chunk_offset = arith.addi(arith.muli(in_tile, mu.c(128, i32)),
+                              arith.muli(arith.xori(lane, in_tile), mu.c(16, i32)))
+
+    def copy_row(step, carry):
+        row = arith.addi(arith.muli(arith.index_cast(i32, step), mu.c(rows_per_pass, i32)), row_in_pass)
         key = memref.load(indices_ref, [arith.index_cast(index, arith.addi(first, row))])
         listed = arith.cmpi(arith.CmpIPredicate.sge, key, mu.c(0, i32))
+        size = arith.select(listed, mu.c(16, i32), mu.c(0, i32))  # a −1 index: zeros
         key = arith.select(listed, key, mu.c(0, i32))
         source = mu.getelementptr(table, [arith.addi(arith.muli(arith.extui(i64, key), mu.c(WIDTH, i64)),
-                                                     arith.extui(i64, arith.muli(piece, mu.c(PIECE, i32))))],
+                                                     arith.extui(i64, arith.muli(lane, mu.c(PIECE, i32))))],
                                   ir.BF16Type.get())
-        # The wgmma layout: 8-row tiles of 64 columns (1 KiB each, row-major over [row / 8, column / 64]); within
-        # one, row r's 16-byte chunk c sits at chunk c ^ r (the 128-byte swizzle).
-        in_tile = arith.remui(row, mu.c(8, i32))
-        tile = arith.addi(arith.muli(arith.divui(row, mu.c(8, i32)), mu.c(tiles_per_row, i32)),
-                          arith.divui(piece, mu.c(PIECE, i32)))
-        chunk = arith.xori(arith.remui(piece, mu.c(PIECE, i32)), in_tile)
-        offset = arith.addi(arith.addi(arith.muli(tile, mu.c(1024, i32)), arith.muli(in_tile, mu.c(128, i32))),
-                            arith.muli(chunk, mu.c(16, i32)))
-        target = mu.getelementptr(rows, [offset], ir.IntegerType.get_signless(8))
-        size = arith.select(listed, mu.c(16, i32), mu.c(0, i32))  # a −1 index: 16 bytes of zeros
-        nvvm.cp_async_shared_global(target, source, 16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+        tile_row = arith.muli(arith.divui(row, mu.c(8, i32)), mu.c(tiles_per_row * 1024, i32))
+        target = mu.getelementptr(rows, [arith.addi(tile_row, chunk_offset)], ir.IntegerType.get_signless(8))
+        for tile in range(tiles_per_row):
+            nvvm.cp_async_shared_global(mu.getelementptr(target, [tile * 1024], ir.IntegerType.get_signless(8)),
+                                        mu.getelementptr(source, [tile * TILE_COLUMNS], ir.BF16Type.get()),
+                                        16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
         return carry
 
-    steps = BLOCK_KEYS * pieces_per_row // PRODUCER_THREADS
-    mu.fori(mu.c(steps, index), ())(copy_piece)
+    mu.fori(mu.c(BLOCK_KEYS // rows_per_pass, index), ())(copy_row)
 
     # The 64 indices (256 bytes): 16 threads, 16 bytes each.
     with mu.when(arith.cmpi(arith.CmpIPredicate.ult, thread, mu.c(BLOCK_KEYS * 4 // 16, i32))):
