@@ -119,9 +119,10 @@ def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):
     # dependent loads a block). In the wgmma layout (8-row tiles of 64 columns, 1 KiB each, row-major over
     # [row / 8, column / 64]) row r's chunk c of a tile sits at chunk c ^ (r % 8) (the 128-byte swizzle): the same
     # for all of a thread's copies of a row, which sit 1 KiB apart.
-    rows_per_pass = PRODUCER_THREADS // PIECE
-    lane = arith.remui(thread, mu.c(PIECE, i32))
-    row_in_pass = arith.divui(thread, mu.c(PIECE, i32))
+    chunks = TILE_COLUMNS // PIECE  # 16-byte chunks in a tile's row: the threads of a row
+    rows_per_pass = PRODUCER_THREADS // chunks
+    lane = arith.remui(thread, mu.c(chunks, i32))
+    row_in_pass = arith.divui(thread, mu.c(chunks, i32))
     in_tile = arith.remui(row_in_pass, mu.c(8, i32))  # a pass covers whole tiles: the row's place in its tile
     chunk_offset = arith.addi(arith.muli(in_tile, mu.c(128, i32)),
                               arith.muli(arith.xori(lane, in_tile), mu.c(16, i32)))
