@@ -19,8 +19,8 @@ warpgroups:
   * the producer (warpgroup 2) gathers each block's 64 latent rows into a shared-memory slot (two slots) laid out
     for wgmma: 8-row tiles of 64 columns with the 128-byte swizzle. Hopper's TMA copies boxes, not lists of rows
     (its row gather is Blackwell's), and Pallas rejects a one-row TMA into an 8-row tile, so the rows are copied
-    16 bytes a thread with `cp.async` (emitted through `plgpu.inline_mgpu`, `_gather_block`), consecutive threads
-    on consecutive bytes of a row. A −1 entry copies zeros (source size 0). It also copies the block's 64 indices,
+    16 bytes a thread with `cp.async` (emitted through `plgpu.inline_mgpu`, `_gather_block`), eight threads a row
+    (each copy instruction of a warp reads 128 contiguous bytes of 4 rows). A −1 entry copies zeros (source size 0). It also copies the block's 64 indices,
     which mark the keys that are none.
   * warpgroup 0 owns the softmax: S = Q Kᵀ over all 576 columns ([64 heads, 64 keys], the query block read from
     shared memory, loaded once), the online softmax in base 2, then O[:, :256] += P V[:, :256] with P in bf16 from
@@ -33,7 +33,7 @@ keeps one owner of the softmax state and relies on warpgroup 1's products fillin
 runs its softmax. Shared memory: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own, of
 the H200's 227: P has no buffer of its own for that reason).
 
-ptxas (`tools/aot_h200.py`) reports 132 bytes of spills: loop-invariant wgmma descriptors of warpgroup 0, reloaded
+ptxas (`tools/aot_h200.py`) reports 136 bytes of spills: loop-invariant wgmma descriptors of warpgroup 0, reloaded
 about 20 times a block from local memory, against some 2,000 cycles of tensor-core work a block.
 
 Decode batches too small to fill the GPU split each list (flash-decoding): each split writes its normalised output
