@@ -20,8 +20,8 @@ warpgroups:
     for wgmma: 8-row tiles of 64 columns with the 128-byte swizzle. Hopper's TMA copies boxes, not lists of rows
     (its row gather is Blackwell's), and Pallas rejects a one-row TMA into an 8-row tile, so the rows are copied
     16 bytes a thread with `cp.async` (emitted through `plgpu.inline_mgpu`, `_gather_block`), eight threads a row
-    (each copy instruction of a warp reads 128 contiguous bytes of 4 rows). A −1 entry copies zeros (source size 0). It also copies the block's 64 indices,
-    which mark the keys that are none.
+    (each copy instruction of a warp reads 128 contiguous bytes of 4 rows). A −1 entry copies zeros (source size
+    0). It also copies the block's 64 indices, which mark the keys that are none.
   * warpgroup 0 owns the softmax: S = Q Kᵀ over all 576 columns ([64 heads, 64 keys], the query block read from
     shared memory, loaded once), the online softmax in base 2, then O[:, :256] += P V[:, :256] with P in bf16 from
     its registers. It also writes P to shared memory, where the slot's rope columns were (S was their only reader,
