@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|greedy_probe|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_mosaic_engine|greedy_probe|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -184,17 +184,17 @@ for what in "$@"; do
           timeout 150 python3 -m jaxmodels bench --no-progress --config bench/configs/deepseek_v32_4layer.json \
             --phases decode --batches 1 --decode-steps 24 $fp8 --profile "/tmp/prof_b1$fp8" > "$log" 2>&1
           echo "--- ${fp8:-bf16}: exit $?"; grep -A40 "^| B\|^| category\|^| op" "$log" | head -45; done ;;
-    # The Mosaic GPU sparse MLA decode kernel (issue 42): its tests, the probe of its parts, its check and timings
-    # beside the Triton kernel's (B=1/32/128), then DeepSeek 4-layer decode at B=32/128 on each kernel
+    # The Mosaic GPU sparse MLA decode kernel (issue 42): the probe of its parts, its tests, its check and timings
+    # beside the Triton kernel's (B=1/32/128); mla_mosaic_engine: DeepSeek 4-layer decode at B=32/128 on each kernel
     # (JAXMODELS_SPARSE_MLA_KERNEL).
     # The probe goes first: a kernel that hangs (a barrier waited on and never arrived at) stops the run there.
     mla_mosaic) timeout 120 python3 bench/lab/mosaic_mla_probe.py 2>&1 | grep -v Warning | tail -60
         if [ "${PIPESTATUS[0]}" = 124 ]; then echo "the probe timed out: the kernel hangs?"; continue; fi
-        MOSAIC_MLA_GPU_TESTS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_sparse_mla_mosaic.py \
-          2>&1 | tail -8
+        MOSAIC_MLA_GPU_TESTS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+          tests/pallas_kernels/test_sparse_mla_mosaic.py 2>&1 | tail -8
         timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --quick --only mla_decode --mosaic \
-          --log "$OUT/mla_mosaic.log" 2>&1 | grep -v Warning | grep -i "check\|B=\|mosaic\|error" | tail -30
-        for kernel in triton mosaic; do echo "--- JAXMODELS_SPARSE_MLA_KERNEL=$kernel"
+          --log "$OUT/mla_mosaic.log" 2>&1 | grep -v Warning | grep -i "check\|B=\|mosaic\|error" | tail -30 ;;
+    mla_mosaic_engine) for kernel in triton mosaic; do echo "--- JAXMODELS_SPARSE_MLA_KERNEL=$kernel"
           JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 120 python3 -m jaxmodels bench --no-progress \
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
             2>&1 | grep -A4 "| B |"; done ;;
