@@ -197,9 +197,10 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
             max_concurrent_steps=steps_in_flight, compute_context=context,
             in_specs=[
                 plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM),
-                # With clusters, both CTAs load the same w tile (same column tile, same expert): multicast.
+                # With clusters, both CTAs load the same w tile (same column tile, same expert): multicast. Without,
+                # the argument is left out: its default is () in jax 0.10 (which fails on None) and None in 0.11.
                 plgpu.BlockSpec((BLOCK, BLOCK), lambda k: (0, k), transforms=operand, memory_space=plgpu.SMEM,
-                                collective_axes=(CLUSTER,) if cluster > 1 else ()),
+                                **({"collective_axes": (CLUSTER,)} if cluster > 1 else {})),
                 plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((1, SCALE_LANES), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ])
