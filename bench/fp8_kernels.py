@@ -52,7 +52,7 @@ from jax import lax
 from dsa_kernels import routed_sizes
 from jaxmodels.benchmark_floors import COPY_BANDWIDTH  # the H200's device-to-device copy rate
 from kernel_report import ROWS, copies_for, in_one_graph, open_log, say, section, timeit
-from pallas_kernels._dispatch import mosaic_kernels_available
+from pallas_kernels._mosaic import mosaic_kernels_available
 from pallas_kernels.fp8_matmul import (fp8_grouped_matmul, fp8_matmul, fp8_matmul_xla_fp8,
                                        quantize_activations, quantize_static, quantize_weight)
 from pallas_kernels import fp8_matmul_cublaslt as fp8_cublaslt

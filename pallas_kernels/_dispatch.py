@@ -62,27 +62,6 @@ def is_hopper() -> bool:
     return capability is None or capability[0] == 9
 
 
-def mosaic_lowering_available() -> bool:
-    """Pallas' Mosaic GPU backend with warp-specialized pipelines, which lowers the kernels for a GPU from any
-    machine (`jax.export`): jax 0.10 has it too."""
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError:
-        return False
-    return hasattr(plgpu, "emit_pipeline_warp_specialized")
-
-
-def mosaic_kernels_available() -> bool:
-    """The Mosaic GPU kernels run, compiled or in Mosaic GPU's interpreter (jax >= 0.11). jax 0.10 lowers them but
-    does not export its interpreter, whose version there has no rule for `plgpu.load` or `plgpu.layout_cast` and
-    never finished the warp-specialized pipeline when tried (2026-12-04)."""
-    if not mosaic_lowering_available():
-        return False
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return hasattr(plgpu, "InterpretGPUParams")
-
-
 # Shared memory one program (thread block) may take, in KiB, by compute capability (CUDA C++ Programming Guide,
 # "Technical Specifications per Compute Capability"): V100 96, T4 64, A100 163, RTX 30 / A10 / L40S / RTX 40 99,
 # Orin 163, H100 / H200 227, B200 227, RTX 50 99. Other known GPUs get the least of these recent ones.

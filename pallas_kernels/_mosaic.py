@@ -1,5 +1,5 @@
-"""What the Mosaic GPU kernels share: the module, imported where a kernel is built (some jax builds lack it), and a
-load with a layout that runs on both jax versions the project supports."""
+"""What the Mosaic GPU kernels share: the module, imported where a kernel is built (some jax builds lack it), what
+this jax can do with it, and a load with a layout that runs on both jax versions the project supports."""
 
 from __future__ import annotations
 
@@ -11,6 +11,23 @@ def mosaic_gpu():
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu
+
+
+def mosaic_lowering_available() -> bool:
+    """Pallas' Mosaic GPU backend with warp-specialized pipelines, which lowers the kernels for a GPU from any
+    machine (`jax.export`): jax 0.10 has it too."""
+    try:
+        plgpu = mosaic_gpu()
+    except ImportError:
+        return False
+    return hasattr(plgpu, "emit_pipeline_warp_specialized")
+
+
+def mosaic_kernels_available() -> bool:
+    """The Mosaic GPU kernels run, compiled or in Mosaic GPU's interpreter (jax >= 0.11). jax 0.10 lowers them but
+    does not export its interpreter, whose version there has no rule for `plgpu.load` or `plgpu.layout_cast` and
+    never finished the warp-specialized pipeline when tried (2026-12-04)."""
+    return mosaic_lowering_available() and hasattr(mosaic_gpu(), "InterpretGPUParams")
 
 
 @functools.cache

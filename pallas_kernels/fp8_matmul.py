@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _dispatch
-from ._dispatch import is_hopper, lacks_fp8_tensor_cores, log, mosaic_kernels_available, on_gpu, resolve_impl
+from ._dispatch import is_hopper, lacks_fp8_tensor_cores, log, on_gpu, resolve_impl
+from ._mosaic import mosaic_kernels_available
 from .fp8_matmul_pallas import fp8_block_grouped_matmul, fp8_block_matmul, pallas_problem
 from .packing import count_at_or_below, prefix_sum
 

@@ -57,7 +57,6 @@ CLUSTER = "cluster"  # the cluster axis: a CTA's rank in its cluster
 CLUSTER_SIZES = (1, 2)
 
 
-
 def row_multiple(tile_m: int = 64, cluster: int = 1) -> int:
     """What the dense kernel's M must be a multiple of: a [2 * tile_m, 128] output tile per CTA, and the `cluster`
     CTAs of a cluster on consecutive row tiles."""

@@ -38,8 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import (dot_precision, fit_stages, is_hopper, mosaic_kernels_available, next_pow2, on_gpu,
-                        pow2_tile_problem, resolve_impl)
+from ._dispatch import dot_precision, fit_stages, is_hopper, next_pow2, on_gpu, pow2_tile_problem, resolve_impl
+from ._mosaic import mosaic_kernels_available
 from .sparse_mla_mosaic import mosaic_problem, sparse_mla_decode_mosaic
 
 # Which compiled kernel `auto` runs on the GPU: "triton" (`sparse_mla_attention_pallas`) or "mosaic" (the Hopper
