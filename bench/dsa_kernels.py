@@ -32,7 +32,7 @@ from kernel_report import DISPATCH_BOUND_S, ROWS, copies_for, in_one_graph, open
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas, grouped_matmul_reference
 from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_reference, indexer_topk_pallas,
                                          quantize_index_k_fp8, topk_reference)
-from pallas_kernels._dispatch import mosaic_kernels_available
+from pallas_kernels._mosaic import mosaic_kernels_available
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention_pallas, sparse_mla_attention_reference
 from pallas_kernels.sparse_mla_mosaic import sparse_mla_decode_mosaic
 from pallas_kernels.topk_select import GROUP, masked_keys_and_group_max, select_topk_pallas
@@ -42,7 +42,7 @@ INDEXER_KINDS = ["decode", "prefill"]
 MLA_BATCHES = [1, 32, 128]
 # Whether the sparse MLA sections check and time the Mosaic GPU kernel too (--mosaic): off by default until it has run
 # once on a GPU, so that a hang there (a barrier never arrived at) cannot stop the GPU check's kernel checks.
-MOSAIC_MLA = []
+MOSAIC_MLA = False
 
 # The kernels as they were before the decode splits and the group compaction (issue 14), for side-by-side rows:
 # the select with a second pass over the row and 32 + 32 fixed counting passes, its own group-maxima pass, the
@@ -513,7 +513,8 @@ def main():
     args = ap.parse_args()
     if args.mosaic and not mosaic_kernels_available():
         raise SystemExit("--mosaic: this jax has no Mosaic GPU kernels (jax >= 0.11)")
-    MOSAIC_MLA[:] = [True] * args.mosaic
+    global MOSAIC_MLA
+    MOSAIC_MLA = args.mosaic
     MLA_BATCHES[:] = [int(b) for b in args.mla_batches.split(",")]
     CTXS[:] = [int(c) for c in args.ctx.split(",")]
     INDEXER_KINDS[:] = args.indexer_kinds.split(",")

@@ -56,10 +56,10 @@ def model_costs(config, params: dict, dtype, ssm_dtype=None) -> ModelCosts:
 
     itemsize = np.dtype(dtype).itemsize
     mtp_prefixes = tuple(model_class(config).mtp_checkpoint_prefixes(config))  # the MTP layers' param paths
-    draft_paths = [p for p in params if p.startswith(mtp_prefixes)]
-    nbytes_draft = {p: int(np.prod(params[p].shape)) * np.dtype(params[p].dtype).itemsize for p in draft_paths}
-    params = {p: a for p, a in params.items() if p not in nbytes_draft}
-    nbytes = {path: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for path, a in params.items()}
+    sizes = {path: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for path, a in params.items()}
+    nbytes_draft = {p: b for p, b in sizes.items() if p.startswith(mtp_prefixes)}
+    nbytes = {p: b for p, b in sizes.items() if p not in nbytes_draft}
+    params = {p: params[p] for p in nbytes}
     weights = {path: int(np.prod(a.shape)) for path, a in params.items() if not path.endswith(SCALE_SUFFIXES)}
     expert_paths = [p for p in params if ".experts." in p]
     embedding = sum(b for p, b in nbytes.items() if p.endswith("embedding"))
@@ -82,8 +82,8 @@ def model_costs(config, params: dict, dtype, ssm_dtype=None) -> ModelCosts:
     costs = dict(dense_weight_bytes=dense, expert_bytes=expert_bytes, moe_layers=moe_layers, num_experts=num_experts,
                  experts_per_token=k, active_params_per_token=active(weights), fp8_params_per_token=fp8,
                  head_params=sum(weights[p] for p in weights if p.startswith("lm_head.")),
-                 draft_weight_bytes=(sum(nbytes_draft.values()) - sum(nbytes_draft[p] for p in draft_experts)
-                                     + head_bytes) if draft_paths else 0.0,
+                 draft_weight_bytes=(sum(b for p, b in nbytes_draft.items() if ".experts." not in p)
+                                     + head_bytes) if nbytes_draft else 0.0,
                  draft_moe_layers=len({p.split(".experts.")[0] for p in draft_experts}))
     mtp_layers = getattr(config, "num_nextn_predict_layers", 0) or 0
     if config.model_type == "nemotron_h":

@@ -25,8 +25,8 @@ for what in "$@"; do
   echo "=== $what $(date -u +%T)"
   case $what in
     # Structured output's packages if the machine lacks them (wheels carried in .whl/: tools/gpu_wheels.sh), then
-    # the sampler variants' decode cost at B=64/256 (the JSON schema's masks for the 128k-token tokenizer carried in bench/.cache/) and
-    # the engine tests of structured output and the sampling controls.
+    # the sampler variants' decode cost at B=64/256 (the JSON schema's masks for the 128k-token tokenizer carried in
+    # bench/.cache/) and the engine tests of structured output and the sampling controls.
     structured) bash tools/install_wheels.sh llguidance jsonschema
       timeout 420 python3 -m jaxmodels bench --no-progress --config bench/configs/nemotron_h_nano9b.json --phases decode \
         --batches 64,256 --decode-steps 64 --sampling plain,logprobs,penalties,json \
