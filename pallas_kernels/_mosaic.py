@@ -30,6 +30,17 @@ def mosaic_kernels_available() -> bool:
     return mosaic_lowering_available() and hasattr(mosaic_gpu(), "InterpretGPUParams")
 
 
+def interpret_params(**options):
+    """Mosaic GPU's interpreter's parameters (`InterpretGPUParams`: `detect_races`, `uninitialized_memory`, ...),
+    which jax 0.11 exports from `plgpu` and jax 0.10 keeps in its private modules."""
+    plgpu = mosaic_gpu()
+    if hasattr(plgpu, "InterpretGPUParams"):
+        return plgpu.InterpretGPUParams(**options)
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(**options)
+
+
 @functools.cache
 def _load_takes_an_index() -> bool:
     return inspect.signature(mosaic_gpu().load).parameters["idx"].default is inspect.Parameter.empty

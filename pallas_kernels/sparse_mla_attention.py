@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._dispatch import dot_precision, fit_stages, is_hopper, next_pow2, on_gpu, pow2_tile_problem, resolve_impl
-from ._mosaic import mosaic_kernels_available
+from ._mosaic import mosaic_kernels_available, mosaic_lowering_available
 from .sparse_mla_mosaic import mosaic_problem, sparse_mla_decode_mosaic
 
 # Which compiled kernel `auto` runs on the GPU: "triton" (`sparse_mla_attention_pallas`) or "mosaic" (the Hopper
@@ -224,32 +224,36 @@ def pallas_problem(heads: int, latent_dim: int, rope_dim: int, block_h: int = 32
             or pow2_tile_problem("qk_rope_head_dim", rope_dim))
 
 
-def _takes_mosaic(impl: str, interpret: bool, q, latent_cache, kv_lora_rank: int) -> bool:
+def _takes_mosaic(impl: str, interpret, q, latent_cache, kv_lora_rank: int) -> bool:
     """Whether this call runs the Mosaic GPU kernel: asked for by name (impl="mosaic", which raises where it cannot
     run), or under `auto` on a Hopper GPU when KERNEL says so and the shapes fit it."""
     if impl != "mosaic" and not (impl == "auto" and KERNEL == "mosaic" and on_gpu() and not interpret):
         return False
-    problem = (mosaic_problem(q.shape[1], q.shape[2], kv_lora_rank, q.dtype, latent_cache.dtype)
-               or ("its cp.async gather is inline Mosaic GPU code, which no interpreter runs" if interpret else None)
-               or (None if on_gpu() else "it runs on a GPU only")
-               or (None if mosaic_kernels_available() else "this jax has no Mosaic GPU kernels (jax >= 0.11)")
-               or (None if is_hopper() else "the kernel uses Hopper's wgmma"))
+    problem = mosaic_problem(q.shape[1], q.shape[2], kv_lora_rank, q.dtype, latent_cache.dtype)
+    if interpret:  # Mosaic GPU's interpreter, on any machine
+        problem = problem or (None if mosaic_lowering_available() else "this jax has no Mosaic GPU backend")
+    else:
+        problem = (problem or (None if on_gpu() else "it is compiled for a GPU only (interpret=True runs it on CPU)")
+                   or (None if mosaic_kernels_available() else "this jax has no Mosaic GPU kernels (jax >= 0.11)")
+                   or (None if is_hopper() else "the kernel uses Hopper's wgmma"))
     if impl == "mosaic" and problem:
         raise ValueError(f"the Mosaic sparse MLA kernel cannot run here: {problem}")
     return not problem
 
 
 def sparse_mla_attention(q, latent_cache, indices, *, scale: float, kv_lora_rank: int = 512, listed=None,
-                         impl: str = "auto", interpret: bool = False, **kernel_options):
+                         impl: str = "auto", interpret=False, **kernel_options):
     """See the module docstring. `kv_lora_rank` = Dl (value width); D - Dl is the rope part. `impl`: "auto",
-    "pallas" (the Triton kernel), "mosaic" (`sparse_mla_mosaic`, Hopper) or "xla" (the reference).
+    "pallas" (the Triton kernel), "mosaic" (`sparse_mla_mosaic`, Hopper) or "xla" (the reference). `interpret`: run
+    the kernel in its interpreter (True; for "mosaic" also Mosaic GPU's `InterpretGPUParams`, e.g. to detect races).
 
     `listed` (int32[T], optional): how many entries at the front of each query's list may be keys, every entry past
     them being −1, as the indexer lays its lists out (min(visible keys, k)); the kernel then gathers no chunk past
     them, which matters when k is much wider than what a query sees (every key selected over long rows)."""
     if _takes_mosaic(impl, interpret, q, latent_cache, kv_lora_rank):
         return sparse_mla_decode_mosaic(q, latent_cache.reshape(-1, q.shape[-1]), indices, scale=scale,
-                                        listed=listed, num_splits=kernel_options.get("num_splits"))
+                                        listed=listed, num_splits=kernel_options.get("num_splits"),
+                                        interpret=interpret)
     problem = pallas_problem(q.shape[1], kv_lora_rank, q.shape[2] - kv_lora_rank,
                              kernel_options.get("block_h", 32))
     if resolve_impl(impl, interpret, problem, "sparse_mla_attention") == "xla":

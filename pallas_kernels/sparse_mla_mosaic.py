@@ -1,6 +1,6 @@
 """Sparse MLA decode for Hopper through Pallas' Mosaic GPU backend: FlashMLA's split of the work over warpgroups,
 with the selected latent rows gathered into shared memory by `cp.async` (issue 42, work in progress: lowered and
-compiled for the H200 on CPU, not yet run on a GPU).
+compiled for the H200 on CPU, run in Mosaic GPU's interpreter, not yet run on a GPU).
 
 `sparse_mla_decode_mosaic(q[T, H, 576], flat_cache[N, 576], indices[T, k], *, scale, listed) -> [T, H, 512]`: the
 semantics of `sparse_mla_attention.sparse_mla_attention_reference` (bf16 q and cache, absorbed MLA, Dl = 512 value
@@ -36,6 +36,12 @@ the H200's 227: P has no buffer of its own for that reason).
 ptxas (`tools/aot_h200.py`) reports 136 bytes of spills: loop-invariant wgmma descriptors of warpgroup 0, reloaded
 about 20 times a block from local memory, against some 2,000 cycles of tensor-core work a block.
 
+`interpret=True` runs it in Mosaic GPU's interpreter (CPU, jax 0.10 included) with the GPU-only operations (the
+inline cp.async gather, register layouts, wgmma) replaced by copies, loads and dots of whole refs (`_Interpreted`):
+the interpreter runs the warpgroups as threads and checks their barriers, and its race detector the shared-memory
+accesses that these order, so the tests check the protocol and the arithmetic on CPU; the gather's addressing and
+the wgmma operands are checked on the GPU only.
+
 Decode batches too small to fill the GPU split each list (flash-decoding): each split writes its normalised output
 and log-sum-exp, combined in XLA by `sparse_mla_attention._combine_splits`, as in the Triton kernel.
 """
@@ -50,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._dispatch import num_sms
-from ._mosaic import load_with_layout, mosaic_gpu
+from ._mosaic import interpret_params, load_with_layout, mosaic_gpu
 
 HEADS = 64  # heads a program: wgmma's M
 BLOCK_KEYS = 64  # keys a block: S's N, and P V's K
@@ -162,9 +168,90 @@ def _wait_for_gathers(pending: int):
     nvvm.cp_async_wait_group(pending)
 
 
-def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=None, num_splits: int | None = None):
+class _Compiled:
+    """The kernel's operations where they differ between the GPU and Mosaic GPU's interpreter, compiled for the
+    GPU: the cp.async gather, register layouts, and wgmma (S from shared memory; P V onto a running accumulator)."""
+
+    def __init__(self, plgpu, tiles):
+        self.plgpu, self.tiles = plgpu, tiles
+
+    def gather(self, cache_gmem, indices_gmem, start, rows_ref, index_ref):
+        """Starts copying rows cache[indices[start:start + 64]] (zeros for −1) into rows_ref, and those indices
+        into index_ref; `wait_for_gathers` completes them."""
+        plgpu = self.plgpu
+        arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.RefType(self.tiles),
+                     plgpu.RefType())
+
+        @plgpu.inline_mgpu(arg_types=arg_types)
+        def _gather(ctx, table_ref, indices_ref, first, rows, indices_slot):
+            del ctx
+            _gather_block(table_ref, indices_ref, first.registers.item(), rows, indices_slot)
+
+        _gather(cache_gmem, indices_gmem, start, rows_ref, index_ref)
+
+    def wait_for_gathers(self, pending: int):
+        """Waits until at most `pending` of this thread's gathers are in flight."""
+        self.plgpu.inline_mgpu()(lambda ctx: _wait_for_gathers(pending))()
+
+    def with_layout(self, array, layout):
+        return self.plgpu.layout_cast(array, layout)
+
+    def load(self, ref, layout):
+        return load_with_layout(ref, layout)
+
+    def scores(self, q_ref, rows_ref):
+        """q_ref @ rows_ref.T in float32."""
+        plgpu = self.plgpu
+
+        def scores(acc_ref):
+            plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(rows_ref, (1, 0)))
+            return acc_ref[...]
+
+        return pl.run_scoped(scores, plgpu.ACC((q_ref.shape[0], rows_ref.shape[0]), jnp.float32))
+
+    def accumulate(self, acc, a, b_ref):
+        """acc + a @ b_ref, `a` in registers or shared memory; returns once the tensor cores are done reading."""
+        return pl.run_state(lambda acc_ref: self.plgpu.wgmma(acc_ref, a, b_ref))(self.plgpu.ACC.init(acc))
+
+
+class _Interpreted:
+    """The same operations in Mosaic GPU's interpreter (CPU): copies, loads and dots of whole refs. Its race detector
+    tracks these reads and writes (it does not track wgmma's, and has no rule for `run_state`, inline Mosaic GPU
+    code, layouts or a transposed wgmma operand). The interpreter checks the rest of the kernel as the GPU runs it:
+    the warpgroups, their barriers (every phase observed by each waiter), the slots, the indexing and the softmax."""
+
+    def gather(self, cache_gmem, indices_gmem, start, rows_ref, index_ref):
+        index_ref[...] = indices_gmem[pl.ds(start, BLOCK_KEYS)]
+
+        @pl.loop(0, BLOCK_KEYS)
+        def _row(i):
+            key = index_ref[i]
+            row = cache_gmem[jnp.maximum(key, 0)]
+            rows_ref[i] = jnp.where(key >= 0, row, jnp.zeros_like(row))
+
+    def wait_for_gathers(self, pending: int):
+        del pending  # the copies above are done when they return
+
+    def with_layout(self, array, layout):
+        return array
+
+    def load(self, ref, layout):
+        return ref[...]
+
+    def scores(self, q_ref, rows_ref):
+        return lax.dot_general(q_ref[...], rows_ref[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+    def accumulate(self, acc, a, b_ref):
+        a = a if isinstance(a, jax.Array) else a[...]
+        return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+
+
+def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=None, num_splits: int | None = None,
+                             interpret=False):
     """See the module docstring. `listed` (int32[T], optional): how many entries lead each list before its −1
-    padding (the indexer's layout); blocks past them are not gathered. Without it every block is."""
+    padding (the indexer's layout); blocks past them are not gathered. Without it every block is. `interpret`: run
+    in Mosaic GPU's interpreter (True, or its `InterpretGPUParams`), see `_Interpreted`."""
     plgpu = mosaic_gpu()
     T, H, D = q.shape
     topk = indices.shape[1]
@@ -178,6 +265,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     listed = jnp.full((T,), topk, jnp.int32) if listed is None else jnp.minimum(listed.astype(jnp.int32), topk)
     scale_log2 = float(scale) * LOG2E  # scores in base 2: exp2 is one instruction
     tiles = (plgpu.TilingTransform((8, TILE_COLUMNS)), plgpu.SwizzleTransform(128))
+    ops = _Interpreted() if interpret else _Compiled(plgpu, tiles)
 
     def kernel(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem, scratch):
         q_smem, rows_smem, index_smem, alpha_smem, stats_smem, (rows_ready, rows_free, p_ready, q_ready, done) = scratch
@@ -193,18 +281,6 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
             plgpu.set_max_registers(40, action="decrease")
             row_base = t * padded + first
 
-            def gather(block, slot):
-                gather_args = (plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.RefType(tiles),
-                               plgpu.RefType())
-
-                @plgpu.inline_mgpu(arg_types=gather_args)
-                def _gather(ctx, table_ref, indices_ref, start, rows_ref, index_ref):
-                    del ctx
-                    _gather_block(table_ref, indices_ref, start.registers.item(), rows_ref, index_ref)
-
-                _gather(cache_gmem, indices_gmem, row_base + block * BLOCK_KEYS, rows_smem.at[slot],
-                        index_smem.at[slot])
-
             def publish(block):
                 # Each thread's copies are complete (cp.async.wait_group); the fence orders them before the
                 # warpgroup's arrival for the tensor cores' reads (the async proxy).
@@ -219,17 +295,25 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
                 def _():
                     plgpu.barrier_wait(rows_free.at[slot])
 
-                gather(block, slot)
+                ops.gather(cache_gmem, indices_gmem, row_base + block * BLOCK_KEYS, rows_smem.at[slot],
+                           index_smem.at[slot])
 
                 @pl.when(block >= 1)
                 def _():
-                    plgpu.inline_mgpu()(lambda ctx: _wait_for_gathers(1))()
+                    ops.wait_for_gathers(1)
                     publish(block - 1)
 
             @pl.when(blocks >= 1)
             def _():
-                plgpu.inline_mgpu()(lambda ctx: _wait_for_gathers(0))()
+                ops.wait_for_gathers(0)
                 publish(blocks - 1)
+
+            # The compute warpgroups free each slot once a block; the last SLOTS freeings are waited for too, so
+            # that every waiter observes every phase of its barriers (the interpreter checks it; on the GPU it only
+            # keeps the idle producer until the end).
+            @pl.loop(jnp.maximum(blocks - SLOTS, 0), blocks)
+            def _drain(block):
+                plgpu.barrier_wait(rows_free.at[block % SLOTS])
 
         def rescale(array, factor):
             return array * lax.broadcast_in_dim(factor, array.shape, [0])
@@ -245,23 +329,19 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
             plgpu.set_max_registers(232, action="increase")
             plgpu.copy_gmem_to_smem(q_gmem.at[t, heads], q_smem, q_ready)
             plgpu.barrier_wait(q_ready)
-            m = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            total = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+            m = ops.with_layout(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            total = ops.with_layout(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = ops.with_layout(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
 
             def block_step(block, carry):
                 acc, m, total = carry
                 slot = block % SLOTS
                 plgpu.barrier_wait(rows_ready.at[slot])
-
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(rows_smem.at[slot], (1, 0)))
-                    return acc_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK_KEYS), jnp.float32))
+                s = ops.scores(q_smem, rows_smem.at[slot])
                 # A key counts when it is listed (before `listed`) and not −1.
-                key = load_with_layout(index_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                position = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+                key = ops.load(index_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                position = ops.with_layout(lax.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0),
+                                           plgpu.Layout.WGMMA.reduce(0))
                 counts = (key >= 0) & (position < in_split - block * BLOCK_KEYS)
                 s = jnp.where(lax.broadcast_in_dim(counts, s.shape, [1]), s * scale_log2, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
@@ -276,11 +356,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
                 alpha_smem[slot] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready.at[slot])
-
-                def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, rows_smem.at[slot, :, pl.ds(0, HALF)])
-
-                acc = pl.run_state(values)(plgpu.ACC.init(rescale(acc, alpha)))
+                acc = ops.accumulate(rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(0, HALF)])
                 plgpu.barrier_arrive(rows_free.at[slot])
                 return acc, m_new, total
 
@@ -297,25 +373,21 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
         @pl.when(wg == 1)
         def _second_half():
             plgpu.set_max_registers(232, action="increase")
-            acc = plgpu.layout_cast(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+            acc = ops.with_layout(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
 
             def block_step(block, acc):
                 slot = block % SLOTS
                 plgpu.barrier_wait(rows_ready.at[slot])
                 plgpu.barrier_wait(p_ready.at[slot])
-                alpha = load_with_layout(alpha_smem.at[slot], plgpu.Layout.WGMMA.reduce(1))
-
-                def values(acc_ref):
-                    plgpu.wgmma(acc_ref, rows_smem.at[slot, :, pl.ds(LATENT, BLOCK_KEYS)],
-                                rows_smem.at[slot, :, pl.ds(HALF, HALF)])
-
-                acc = pl.run_state(values)(plgpu.ACC.init(rescale(acc, alpha)))
+                alpha = ops.load(alpha_smem.at[slot], plgpu.Layout.WGMMA.reduce(1))
+                acc = ops.accumulate(rescale(acc, alpha), rows_smem.at[slot, :, pl.ds(LATENT, BLOCK_KEYS)],
+                                     rows_smem.at[slot, :, pl.ds(HALF, HALF)])
                 plgpu.barrier_arrive(rows_free.at[slot])
                 return acc
 
             acc = lax.fori_loop(0, blocks, block_step, acc)
             plgpu.barrier_wait(done)
-            total = load_with_layout(stats_smem.at[0], plgpu.Layout.WGMMA.reduce(1))
+            total = ops.load(stats_smem.at[0], plgpu.Layout.WGMMA.reduce(1))
             finish(acc, total, pl.ds(HALF, HALF))
 
     def entry(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem=None):
@@ -340,7 +412,8 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
         out_type.append(jax.ShapeDtypeStruct((T, splits, H), jnp.float32))
     call = plgpu.kernel(
         entry, out_type=tuple(out_type), grid=(H // HEADS, splits, T), grid_names=("h", "s", "t"),
-        num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+        num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+        **({"interpret": interpret_params() if interpret is True else interpret} if interpret else {}))
     outs = call(listed, q, flat_cache, indices.reshape(-1))
     if not split_out:
         return outs[0][:, 0]

@@ -1,8 +1,9 @@
 """The Mosaic GPU sparse MLA decode kernel (`pallas_kernels.sparse_mla_mosaic`): its lowering for an H200 (any
 machine, jax 0.10 included), its split of the lists and the shapes it refuses (anywhere), and its output against
-dense attention masked to the same rows (on the GPU: its cp.async gather is inline Mosaic GPU code, which no
-interpreter runs)."""
+dense attention masked to the same rows, compiled on the GPU and in Mosaic GPU's interpreter on CPU (there with
+plain copies and dots in place of its cp.async gather and wgmma, which the interpreter does not run)."""
 
+import faulthandler
 import importlib
 import os
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import sparse_mla_attention
+from pallas_kernels._mosaic import interpret_params
 from pallas_kernels.sparse_mla_mosaic import BLOCK_KEYS, decode_splits, mosaic_problem, sparse_mla_decode_mosaic
 from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
 from tests.numerics import rms_relative_error
@@ -22,6 +24,8 @@ from tests.pallas_kernels.test_sparse_mla_attention import _problem, dense_maske
 # arrived at) cannot stop the whole GPU suite.
 asked_for = pytest.mark.skipif(os.environ.get("MOSAIC_MLA_GPU_TESTS") != "1",
                                reason="the unverified Mosaic kernel runs on the GPU when MOSAIC_MLA_GPU_TESTS=1")
+# The interpreter's runs are the CPU's check; on the GPU the compiled kernel's tests take their place.
+on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the compiled kernel is tested on the GPU")
 
 
 @needs_mosaic_lowering
@@ -65,9 +69,9 @@ def test_shapes_the_kernel_does_not_take_are_named():
 def test_asking_for_the_mosaic_kernel_where_it_cannot_run_says_why():
     q, cache, idx = _problem(jax.random.key(0), T=4, H=64, dl=512, dr=64, num_pages=2, page_size=64, topk=64)
     q, cache = q.astype(jnp.bfloat16), cache.astype(jnp.bfloat16)
-    reason = "interpreter" if jax.default_backend() == "gpu" else "GPU"
-    with pytest.raises(ValueError, match=reason):
-        sparse_mla_attention(q, cache, idx, scale=0.04, impl="mosaic", interpret=jax.default_backend() == "gpu")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="GPU"):
+            sparse_mla_attention(q, cache, idx, scale=0.04, impl="mosaic")
     with pytest.raises(ValueError, match="heads=32"):
         sparse_mla_attention(q[:, :32], cache, idx, scale=0.04, impl="mosaic")
 
@@ -78,40 +82,91 @@ def _bf16_problem(seed, T, H, topk, num_pages=64):
     return q.astype(jnp.bfloat16), cache.astype(jnp.bfloat16), idx
 
 
-@needs_mosaic
-@asked_for
-@pytest.mark.gpu
-@pytest.mark.parametrize("splits", [None, 1])
-def test_compiled_kernel_equals_dense_masked_attention(splits):
-    """128 heads, top-2048 over 4,096 rows: a full list, a list of 5 then −1, a list of only −1 (zeros), a list with
-    holes; split over 8 programs each (the default at T=4), or one program walking the 32 blocks of each list
-    through the two row slots."""
-    q, cache, idx = _bf16_problem(2, T=4, H=128, topk=2048)
+def check_against_dense_attention(run, T, H, topk, num_pages=64):
+    """`run(q, cache, idx)` of `_problem`'s lists (a full list, 5 keys then −1, only −1, holes) against dense
+    attention masked to the same rows."""
+    q, cache, idx = _bf16_problem(2, T=T, H=H, topk=topk, num_pages=num_pages)
     want = dense_masked_attention(q.astype(jnp.float32), cache.astype(jnp.float32), idx, 0.04, 512)
-    got = jax.jit(lambda *a: sparse_mla_attention(*a, scale=0.04, impl="mosaic", num_splits=splits))(q, cache, idx)
+    got = run(q, cache, idx)
     assert got.dtype == jnp.bfloat16
     # P is rounded to bf16 before P @ V on the tensor cores: bf16-level error, as for the Triton kernel.
     assert rms_relative_error(got, want) < 2e-2
     assert not np.asarray(got[2], np.float32).any()
 
 
+def check_listed_counts(run, T, topk, counts):
+    """`run(q, cache, idx, listed)` with `listed` counts per query (`counts` first, random after), where the
+    entries past the counts are stale rows the kernel must not read as keys (64 heads)."""
+    q, cache, idx = _bf16_problem(3, T=T, H=64, topk=topk)
+    listed = np.random.default_rng(0).integers(0, topk + 1, T)
+    listed[:len(counts)] = counts
+    fresh = np.where(np.arange(topk)[None] < listed[:, None], np.asarray(idx), -1)
+    want = dense_masked_attention(q.astype(jnp.float32), cache.astype(jnp.float32), fresh, 0.04, 512)
+    got = run(q, cache, jnp.asarray(np.asarray(idx)), jnp.asarray(listed, jnp.int32))
+    assert rms_relative_error(got, want) < 2e-2
+    assert not np.asarray(got[listed == 0], np.float32).any()
+
+
+@needs_mosaic
+@asked_for
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1])
+def test_compiled_kernel_equals_dense_masked_attention(splits):
+    """128 heads, top-2048 over 4,096 rows, split over 8 programs each (the default at T=4), or one program walking
+    the 32 blocks of each list through the two row slots."""
+    check_against_dense_attention(
+        jax.jit(lambda *a: sparse_mla_attention(*a, scale=0.04, impl="mosaic", num_splits=splits)),
+        T=4, H=128, topk=2048)
+
+
 @needs_mosaic
 @asked_for
 @pytest.mark.gpu
 def test_compiled_kernel_walks_only_the_listed_blocks():
-    """`listed` counts per query (a partial last block, a single key, none, all), top-k of 200 (padded to whole
-    blocks with −1), 64 heads, 130 queries (more programs than SMs), where entries past the counts are stale rows
-    the kernel must not read as keys."""
-    T, topk = 130, 200
-    q, cache, idx = _bf16_problem(3, T=T, H=64, topk=topk)
-    listed = np.random.default_rng(0).integers(0, topk + 1, T)
-    listed[:4] = [topk, 1, 0, 65]
-    fresh = np.where(np.arange(topk)[None] < listed[:, None], np.asarray(idx), -1)
-    want = dense_masked_attention(q.astype(jnp.float32), cache.astype(jnp.float32), fresh, 0.04, 512)
-    got = jax.jit(lambda *a: sparse_mla_attention(*a, scale=0.04, impl="mosaic"))(
-        q, cache, jnp.asarray(np.asarray(idx)), listed=jnp.asarray(listed, jnp.int32))
-    assert rms_relative_error(got, want) < 2e-2
-    assert not np.asarray(got[listed == 0], np.float32).any()
+    """A partial last block, a single key, none, all; top-k of 200 (padded to whole blocks with −1); 130 queries
+    (more programs than SMs)."""
+    check_listed_counts(jax.jit(lambda q, c, i, n: sparse_mla_attention(q, c, i, scale=0.04, listed=n,
+                                                                         impl="mosaic")),
+                        T=130, topk=200, counts=[200, 1, 0, 65])
+
+
+def interpreted(q, cache, idx, listed=None, *, num_splits):
+    """The kernel in Mosaic GPU's interpreter, with its race detector on: a read or write of shared memory not
+    ordered by the barriers after another warpgroup's write fails the test, as does a barrier phase a waiter never
+    observes (the interpreter raises). Such a fault raises in one of the interpreter's threads and can leave the
+    others waiting forever, so the worker is stopped, with its threads' stacks, after five minutes."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        out = sparse_mla_attention(q, cache, idx, scale=0.04, listed=listed, impl="mosaic", num_splits=num_splits,
+                                   interpret=interpret_params(detect_races=True))
+        out.block_until_ready()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert not gpu_callbacks.get_races().races_found
+    return out
+
+
+@needs_mosaic_lowering
+@on_cpu
+@pytest.mark.parametrize("splits", [2, 1])
+def test_interpreted_kernel_equals_dense_masked_attention(splits):
+    """The warpgroups, barriers, slots and softmax as the GPU runs them (`sparse_mla_mosaic._Interpreted`): 128
+    heads (two programs a query), top-320 (5 blocks: both slots refilled, an odd last one), split in two (3 blocks
+    and 2, combined by their log-sum-exp) or walked whole."""
+    check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=splits), T=4, H=128, topk=320,
+                                  num_pages=8)
+
+
+@needs_mosaic_lowering
+@on_cpu
+def test_interpreted_kernel_walks_only_the_listed_blocks():
+    """Counts of a whole list, one key, none (no block walked: zeros), one key past a block, a block exactly,
+    and two blocks and a bit, over lists of 200 split in two."""
+    check_listed_counts(lambda q, c, i, n: interpreted(q, c, i, n, num_splits=2), T=6, topk=200,
+                        counts=[200, 1, 0, 65, 64, 130])
 
 
 @needs_mosaic_lowering
