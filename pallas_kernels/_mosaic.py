@@ -1,10 +1,16 @@
 """What the Mosaic GPU kernels share: the module, imported where a kernel is built (some jax builds lack it), what
-this jax can do with it, and a load with a layout that runs on both jax versions the project supports."""
+this jax can do with it, a load with a layout that runs on both jax versions the project supports, and the
+operations that differ between the compiled kernel and Mosaic GPU's interpreter (`kernel_ops`)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
 
 def mosaic_gpu():
@@ -24,9 +30,9 @@ def mosaic_lowering_available() -> bool:
 
 
 def mosaic_kernels_available() -> bool:
-    """The Mosaic GPU kernels run, compiled or in Mosaic GPU's interpreter (jax >= 0.11). jax 0.10 lowers them but
-    does not export its interpreter, whose version there has no rule for `plgpu.load` or `plgpu.layout_cast` and
-    never finished the warp-specialized pipeline when tried (2026-12-04)."""
+    """The Mosaic GPU kernels run compiled (jax >= 0.11, where they were verified on the H200). jax 0.10 lowers
+    them, and its interpreter runs them through `InterpretedOps` (it has no rule for `plgpu.load`, layouts or
+    `run_state`, nor for the cluster barrier)."""
     return mosaic_lowering_available() and hasattr(mosaic_gpu(), "InterpretGPUParams")
 
 
@@ -51,3 +57,59 @@ def load_with_layout(ref, layout):
     deprecates (the ref is indexed with `.at[...]` instead)."""
     plgpu = mosaic_gpu()
     return plgpu.load(ref, (), layout=layout) if _load_takes_an_index() else plgpu.load(ref, layout=layout)
+
+
+class CompiledOps:
+    """The operations of the Mosaic GPU kernels that Mosaic GPU's interpreter lacks (register layouts, `plgpu.load`,
+    wgmma with a transposed operand, `run_state`), as compiled for the GPU; `InterpretedOps` has the same on any
+    machine. A kernel that takes its operations from `kernel_ops(interpret)` runs the rest of its body (warpgroups,
+    barriers, TMA copies, shared memory) the same way compiled and interpreted."""
+
+    def __init__(self):
+        self.plgpu = mosaic_gpu()
+
+    def with_layout(self, array, layout):
+        return self.plgpu.layout_cast(array, layout)
+
+    def load(self, ref, layout):
+        return load_with_layout(ref, layout)
+
+    def matmul_transposed(self, a_ref, b_ref):
+        """a_ref @ b_ref.T in float32 on the tensor cores (wgmma), both operands in shared memory; returns when the
+        tensor cores are done reading them."""
+        plgpu = self.plgpu
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)))
+            return acc_ref[...]  # reading the accumulator waits for the wgmma
+
+        return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
+
+    def accumulate(self, acc, a, b_ref):
+        """acc + a @ b_ref (wgmma), `a` in registers or shared memory; returns when the tensor cores are done reading
+        them."""
+        return pl.run_state(lambda acc_ref: self.plgpu.wgmma(acc_ref, a, b_ref))(self.plgpu.ACC.init(acc))
+
+
+class InterpretedOps:
+    """`CompiledOps` in Mosaic GPU's interpreter: loads and dots of whole refs, which its race detector tracks (it
+    does not track wgmma's reads). The products are exact in float32 and summed in float32, as on the tensor
+    cores, in another order."""
+
+    def with_layout(self, array, layout):
+        return array
+
+    def load(self, ref, layout):
+        return ref[...]
+
+    def matmul_transposed(self, a_ref, b_ref):
+        return lax.dot_general(a_ref[...].astype(jnp.float32), b_ref[...].astype(jnp.float32),
+                               (((1,), (1,)), ((), ())))
+
+    def accumulate(self, acc, a, b_ref):
+        a = a if isinstance(a, jax.Array) else a[...]
+        return acc + jnp.dot(a.astype(jnp.float32), b_ref[...].astype(jnp.float32))
+
+
+def kernel_ops(interpret):
+    return InterpretedOps() if interpret else CompiledOps()

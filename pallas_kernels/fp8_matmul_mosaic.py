@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._dispatch import num_sms
-from ._mosaic import load_with_layout, mosaic_gpu
+from ._mosaic import interpret_params, kernel_ops, mosaic_gpu
 
 BLOCK = 128  # the scale block along both N and K; also the K step and the column tile
 # w's block scales are stored SCALE_LANES times each and read 128 bytes at a time: a TMA copy into shared memory
@@ -176,6 +176,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
     if items % cluster:
         raise ValueError(f"{items} items do not split into clusters of {cluster}")
     plgpu = mosaic_gpu()
+    ops = kernel_ops(interpret)
     (M, K), (E, N, _) = x8.shape, w8.shape
     cta_m = 2 * tile_m  # one [tile_m, 128] half per consumer warpgroup
     n_iters, k_iters = N // BLOCK, K // BLOCK
@@ -230,19 +231,15 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                 columns = pl.ds(n_idx * BLOCK, BLOCK)
 
                 def step(indices, x_smem, w_smem, xs_smem, ws_smem, total):
-                    def product(acc):
-                        plgpu.wgmma(acc, x_smem.at[rows], w_smem.transpose((1, 0)))
-                        return acc[...]  # reading the accumulator waits for the wgmma
-
-                    part = pl.run_scoped(product, plgpu.ACC((tile_m, BLOCK), jnp.float32))
+                    part = ops.matmul_transposed(x_smem.at[rows], w_smem)
                     # The column tile is one scale block of w: its scale is a scalar, folded into the row scales, so
                     # the promotion is one multiply-add per element.
-                    row_scale = load_with_layout(xs_smem.at[0, rows], plgpu.Layout.WGMMA.reduce(1))
+                    row_scale = ops.load(xs_smem.at[0, rows], plgpu.Layout.WGMMA.reduce(1))
                     scales = row_scale * ws_smem[0, 0]
                     return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
 
                 def context(run):
-                    total = run(plgpu.layout_cast(jnp.zeros((tile_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA))
+                    total = run(ops.with_layout(jnp.zeros((tile_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
                     out_smem[wg] = total.astype(out_dtype)
                     plgpu.commit_smem()
@@ -261,6 +258,6 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
         grid=(max(1, (num_programs or num_sms()) // cluster),), grid_names=("sm",), cluster=(cluster,),
         cluster_names=(CLUSTER,), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}))
+        **({"interpret": interpret_params()} if interpret else {}))
     routed_units = jnp.sum(_is_routed(item_expert[::cluster], E), dtype=jnp.int32)[None]
     return call(routed_units, item_expert.astype(jnp.int32), item_tile.astype(jnp.int32), x8, xs_t, w8, ws_t)

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._dispatch import num_sms
-from ._mosaic import interpret_params, load_with_layout, mosaic_gpu
+from ._mosaic import CompiledOps, InterpretedOps, interpret_params, mosaic_gpu
 
 HEADS = 64  # heads a program: wgmma's M
 BLOCK_KEYS = 64  # keys a block: S's N, and P V's K
@@ -168,12 +168,12 @@ def _wait_for_gathers(pending: int):
     nvvm.cp_async_wait_group(pending)
 
 
-class _Compiled:
-    """The kernel's operations where they differ between the GPU and Mosaic GPU's interpreter, compiled for the
-    GPU: the cp.async gather, register layouts, and wgmma (S from shared memory; P V onto a running accumulator)."""
+class _Compiled(CompiledOps):
+    """The kernel's operations on the GPU: `CompiledOps` and the cp.async gather."""
 
-    def __init__(self, plgpu, tiles):
-        self.plgpu, self.tiles = plgpu, tiles
+    def __init__(self, tiles):
+        super().__init__()
+        self.tiles = tiles
 
     def gather(self, cache_gmem, indices_gmem, start, rows_ref, index_ref):
         """Starts copying rows cache[indices[start:start + 64]] (zeros for −1) into rows_ref, and those indices
@@ -193,32 +193,11 @@ class _Compiled:
         """Waits until at most `pending` of this thread's gathers are in flight."""
         self.plgpu.inline_mgpu()(lambda ctx: _wait_for_gathers(pending))()
 
-    def with_layout(self, array, layout):
-        return self.plgpu.layout_cast(array, layout)
 
-    def load(self, ref, layout):
-        return load_with_layout(ref, layout)
-
-    def scores(self, q_ref, rows_ref):
-        """q_ref @ rows_ref.T in float32."""
-        plgpu = self.plgpu
-
-        def scores(acc_ref):
-            plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(rows_ref, (1, 0)))
-            return acc_ref[...]
-
-        return pl.run_scoped(scores, plgpu.ACC((q_ref.shape[0], rows_ref.shape[0]), jnp.float32))
-
-    def accumulate(self, acc, a, b_ref):
-        """acc + a @ b_ref, `a` in registers or shared memory; returns once the tensor cores are done reading."""
-        return pl.run_state(lambda acc_ref: self.plgpu.wgmma(acc_ref, a, b_ref))(self.plgpu.ACC.init(acc))
-
-
-class _Interpreted:
-    """The same operations in Mosaic GPU's interpreter (CPU): copies, loads and dots of whole refs. Its race detector
-    tracks these reads and writes (it does not track wgmma's, and has no rule for `run_state`, inline Mosaic GPU
-    code, layouts or a transposed wgmma operand). The interpreter checks the rest of the kernel as the GPU runs it:
-    the warpgroups, their barriers (every phase observed by each waiter), the slots, the indexing and the softmax."""
+class _Interpreted(InterpretedOps):
+    """The kernel's operations in Mosaic GPU's interpreter (CPU), which has no rule for inline Mosaic GPU code: the
+    gather copies row by row. The interpreter checks the rest of the kernel as the GPU runs it: the warpgroups, their
+    barriers (every phase observed by each waiter), the slots, the indexing and the softmax."""
 
     def gather(self, cache_gmem, indices_gmem, start, rows_ref, index_ref):
         index_ref[...] = indices_gmem[pl.ds(start, BLOCK_KEYS)]
@@ -231,20 +210,6 @@ class _Interpreted:
 
     def wait_for_gathers(self, pending: int):
         del pending  # the copies above are done when they return
-
-    def with_layout(self, array, layout):
-        return array
-
-    def load(self, ref, layout):
-        return ref[...]
-
-    def scores(self, q_ref, rows_ref):
-        return lax.dot_general(q_ref[...], rows_ref[...], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-
-    def accumulate(self, acc, a, b_ref):
-        a = a if isinstance(a, jax.Array) else a[...]
-        return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
 
 
 def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=None, num_splits: int | None = None,
@@ -265,7 +230,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     listed = jnp.full((T,), topk, jnp.int32) if listed is None else jnp.minimum(listed.astype(jnp.int32), topk)
     scale_log2 = float(scale) * LOG2E  # scores in base 2: exp2 is one instruction
     tiles = (plgpu.TilingTransform((8, TILE_COLUMNS)), plgpu.SwizzleTransform(128))
-    ops = _Interpreted() if interpret else _Compiled(plgpu, tiles)
+    ops = _Interpreted() if interpret else _Compiled(tiles)
 
     def kernel(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem, scratch):
         q_smem, rows_smem, index_smem, alpha_smem, stats_smem, (rows_ready, rows_free, p_ready, q_ready, done) = scratch
@@ -337,7 +302,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
                 acc, m, total = carry
                 slot = block % SLOTS
                 plgpu.barrier_wait(rows_ready.at[slot])
-                s = ops.scores(q_smem, rows_smem.at[slot])
+                s = ops.matmul_transposed(q_smem, rows_smem.at[slot])
                 # A key counts when it is listed (before `listed`) and not −1.
                 key = ops.load(index_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 position = ops.with_layout(lax.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0),

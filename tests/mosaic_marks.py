@@ -1,5 +1,6 @@
-"""Skip marks for the Mosaic GPU kernels' tests: jax 0.10 lowers them (for a GPU, from any machine) but cannot
-interpret or run them (`pallas_kernels._mosaic.mosaic_kernels_available`)."""
+"""Skip marks for the Mosaic GPU kernels' tests: jax 0.10 lowers them (for a GPU, from any machine) and interprets
+them without clusters, but the compiled kernels run on jax >= 0.11 only
+(`pallas_kernels._mosaic.mosaic_kernels_available`)."""
 
 import pytest
 
