@@ -47,6 +47,14 @@ def interpret_params(**options):
     return InterpretGPUParams(**options)
 
 
+def interpret_option(interpret) -> dict:
+    """`plgpu.kernel`'s keyword for a kernel's `interpret` argument: nothing (compiled), or the interpreter's
+    parameters (True: the defaults; or an `InterpretGPUParams`, e.g. with `detect_races=True`)."""
+    if not interpret:
+        return {}
+    return {"interpret": interpret_params() if interpret is True else interpret}
+
+
 @functools.cache
 def _load_takes_an_index() -> bool:
     return inspect.signature(mosaic_gpu().load).parameters["idx"].default is inspect.Parameter.empty

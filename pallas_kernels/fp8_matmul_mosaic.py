@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._dispatch import num_sms
-from ._mosaic import interpret_params, kernel_ops, mosaic_gpu
+from ._mosaic import interpret_option, kernel_ops, mosaic_gpu
 
 BLOCK = 128  # the scale block along both N and K; also the K step and the column tile
 # w's block scales are stored SCALE_LANES times each and read 128 bytes at a time: a TMA copy into shared memory
@@ -65,12 +65,12 @@ def row_multiple(tile_m: int = 64, cluster: int = 1) -> int:
 
 def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16, tile_m: int = 64,
                             steps_in_flight: int = 4, group_items: int = 16, cluster: int = 1,
-                            num_programs: int | None = None, interpret: bool = False):
+                            num_programs: int | None = None, interpret=False):
     """See the module docstring. Output tiles are [2 * tile_m, 128], each consumer warpgroup computing
     [tile_m, 128] of it; `steps_in_flight` K steps are loaded ahead; `group_items` row tiles are swept together
     (each column tile of w is read once per group; see `_work_tile`). `cluster=2` runs clusters of two CTAs on pairs
     of row tiles, w's tiles multicast to both (see the module docstring). `num_programs` CTAs (default: one per SM)
-    run the persistent loop, `cluster` at a time."""
+    run the persistent loop, `cluster` at a time. `interpret`: True or Mosaic GPU's `InterpretGPUParams`."""
     M, N = x8.shape[0], w8.shape[0]
     cta_m, rows = 2 * tile_m, row_multiple(tile_m, cluster)
     if M % rows:
@@ -85,7 +85,7 @@ def fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, *, out_dtype=jnp.bfloat16,
 
 def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, out_dtype=jnp.bfloat16,
                                     tile_m: int = 64, steps_in_flight: int = 4, group_items: int = 16,
-                                    cluster: int = 1, num_programs: int | None = None, interpret: bool = False):
+                                    cluster: int = 1, num_programs: int | None = None, interpret=False):
     """Rows x8[M, K] sorted by expert (`grouped_matmul`'s layout), row r times w8[g(r)]ᵀ (w8[E, N, K]) with block
     scales -> [M, N]; rows past sum(group_sizes) are zeros.
 
@@ -101,7 +101,7 @@ def fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, group_sizes, *, ou
     from .grouped_matmul import make_schedule
     from .packing import count_at_or_below
 
-    (M, K), (E, N, _) = x8.shape, w8.shape
+    M, E = x8.shape[0], w8.shape[0]
     cta_m = 2 * tile_m
     _check_scales(x8, x_scale, w8, w_scale)
     expert, tile, start, end = make_schedule(group_sizes, M, cta_m)
@@ -177,7 +177,7 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
         raise ValueError(f"{items} items do not split into clusters of {cluster}")
     plgpu = mosaic_gpu()
     ops = kernel_ops(interpret)
-    (M, K), (E, N, _) = x8.shape, w8.shape
+    K, (E, N, _) = x8.shape[1], w8.shape
     cta_m = 2 * tile_m  # one [tile_m, 128] half per consumer warpgroup
     n_iters, k_iters = N // BLOCK, K // BLOCK
     group_units = max(1, min(group_items, items) // cluster)
@@ -258,6 +258,6 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
         grid=(max(1, (num_programs or num_sms()) // cluster),), grid_names=("sm",), cluster=(cluster,),
         cluster_names=(CLUSTER,), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": interpret_params()} if interpret else {}))
+        **interpret_option(interpret))
     routed_units = jnp.sum(_is_routed(item_expert[::cluster], E), dtype=jnp.int32)[None]
     return call(routed_units, item_expert.astype(jnp.int32), item_tile.astype(jnp.int32), x8, xs_t, w8, ws_t)

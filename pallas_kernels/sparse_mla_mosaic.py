@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._dispatch import num_sms
-from ._mosaic import CompiledOps, InterpretedOps, interpret_params, mosaic_gpu
+from ._mosaic import CompiledOps, InterpretedOps, interpret_option, mosaic_gpu
 
 HEADS = 64  # heads a program: wgmma's M
 BLOCK_KEYS = 64  # keys a block: S's N, and P V's K
@@ -378,7 +378,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     call = plgpu.kernel(
         entry, out_type=tuple(out_type), grid=(H // HEADS, splits, T), grid_names=("h", "s", "t"),
         num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-        **({"interpret": interpret_params() if interpret is True else interpret} if interpret else {}))
+        **interpret_option(interpret))
     outs = call(listed, q, flat_cache, indices.reshape(-1))
     if not split_out:
         return outs[0][:, 0]

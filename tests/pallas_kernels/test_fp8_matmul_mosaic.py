@@ -17,6 +17,7 @@ from pallas_kernels.fp8_matmul_mosaic import (_is_routed, _work_tile, fp8_block_
                                               fp8_block_matmul_mosaic)
 from pallas_kernels.grouped_matmul import make_schedule
 from tests.fp8_bounds import assert_within_summation_bound
+from tests.mosaic_interpreter import run_race_checked
 from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
 from tests.pallas_kernels.test_fp8_matmul import BLOCK, grouped_summation_bound, random_weight, summation_bound
 
@@ -73,8 +74,8 @@ def test_interpreted_kernel_equals_the_reference(M, K, N, tiles, programs):
     column tiles over 2 clusters, 1 pair over 3 clusters (2 idle), 2 pairs x 2 column tiles over 2 clusters."""
     x, w8, w_scale = operands(M, K, N, M + N)
     x8, x_scale = quantize_activations(x, 128)
-    got = fp8_block_matmul_mosaic(x8, x_scale, w8, w_scale, out_dtype=jnp.float32, num_programs=programs,
-                                  interpret=True, **tiles)
+    got = run_race_checked(fp8_block_matmul_mosaic, x8, x_scale, w8, w_scale, out_dtype=jnp.float32,
+                           num_programs=programs, **tiles)
     want = fp8_matmul(x, w8, w_scale, block=BLOCK, impl="xla")
     assert_within_summation_bound(got, want, summation_bound(x, w8, w_scale, BLOCK))
 
@@ -109,8 +110,8 @@ def test_interpreted_grouped_kernel_equals_the_reference(sizes):
     w8, w_scale = random_weight(keys[1], (E, N, K), BLOCK)
     sizes = jnp.asarray(sizes, jnp.int32)
     x8, x_scale = quantize_activations(x, 128)
-    got = fp8_block_grouped_matmul_mosaic(x8, x_scale, w8, w_scale, sizes, out_dtype=jnp.float32, num_programs=3,
-                                          interpret=True)
+    got = run_race_checked(fp8_block_grouped_matmul_mosaic, x8, x_scale, w8, w_scale, sizes, out_dtype=jnp.float32,
+                           num_programs=3)
     want = fp8_grouped_matmul(x, w8, w_scale, sizes, block=BLOCK, impl="xla")
     total = int(sizes.sum())
     assert_within_summation_bound(got[:total], want[:total],

@@ -3,7 +3,6 @@ machine, jax 0.10 included), its split of the lists and the shapes it refuses (a
 dense attention masked to the same rows, compiled on the GPU and in Mosaic GPU's interpreter on CPU (there with
 plain copies and dots in place of its cp.async gather and wgmma, which the interpreter does not run)."""
 
-import faulthandler
 import importlib
 import os
 
@@ -13,8 +12,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import sparse_mla_attention
-from pallas_kernels._mosaic import interpret_params
 from pallas_kernels.sparse_mla_mosaic import BLOCK_KEYS, decode_splits, mosaic_problem, sparse_mla_decode_mosaic
+from tests.mosaic_interpreter import run_race_checked
 from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
 from tests.numerics import rms_relative_error
 from tests.pallas_kernels.test_sparse_mla_attention import _problem, dense_masked_attention
@@ -131,22 +130,10 @@ def test_compiled_kernel_walks_only_the_listed_blocks():
 
 
 def interpreted(q, cache, idx, listed=None, *, num_splits):
-    """The kernel in Mosaic GPU's interpreter, with its race detector on: a read or write of shared memory not
-    ordered by the barriers after another warpgroup's write fails the test, as does a barrier phase a waiter never
-    observes (the interpreter raises). Such a fault raises in one of the interpreter's threads and can leave the
-    others waiting forever, so the worker is stopped, with its threads' stacks, after five minutes."""
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-    gpu_callbacks.reset_gpu_interpret_mode_state()
-    faulthandler.dump_traceback_later(300, exit=True)
-    try:
-        out = sparse_mla_attention(q, cache, idx, scale=0.04, listed=listed, impl="mosaic", num_splits=num_splits,
-                                   interpret=interpret_params(detect_races=True))
-        out.block_until_ready()
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    assert not gpu_callbacks.get_races().races_found
-    return out
+    """The kernel in Mosaic GPU's interpreter with its race detector on (`run_race_checked`), through
+    `sparse_mla_attention` as the model calls it."""
+    return run_race_checked(sparse_mla_attention, q, cache, idx, scale=0.04, listed=listed, impl="mosaic",
+                            num_splits=num_splits)
 
 
 @needs_mosaic_lowering
