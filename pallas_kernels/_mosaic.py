@@ -88,7 +88,7 @@ class CompiledOps:
         plgpu = self.plgpu
 
         def product(acc_ref):
-            plgpu.wgmma(acc_ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)))
+            plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
             return acc_ref[...]  # reading the accumulator waits for the wgmma
 
         return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
