@@ -133,9 +133,13 @@ def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):
     chunk_offset = arith.addi(arith.muli(in_tile, mu.c(128, i32)),
                               arith.muli(arith.xori(lane, in_tile), mu.c(16, i32)))
 
-    def copy_row(step, carry):
-        row = arith.addi(arith.muli(arith.index_cast(i32, step), mu.c(rows_per_pass, i32)), row_in_pass)
-        key = memref.load(indices_ref, [arith.index_cast(index, arith.addi(first, row))])
+    # A thread's rows' indices are loaded first, all passes' at once: loaded pass by pass, each pass's copies
+    # waited for its own load (four global-memory latencies a block).
+    passes = BLOCK_KEYS // rows_per_pass
+    rows_of_thread = [arith.addi(mu.c(step * rows_per_pass, i32), row_in_pass) for step in range(passes)]
+    keys = [memref.load(indices_ref, [arith.index_cast(index, arith.addi(first, row))]) for row in rows_of_thread]
+
+    def copy_row(row, key):
         listed = arith.cmpi(arith.CmpIPredicate.sge, key, mu.c(0, i32))
         size = arith.select(listed, mu.c(16, i32), mu.c(0, i32))  # a −1 index: zeros
         key = arith.select(listed, key, mu.c(0, i32))
@@ -148,9 +152,9 @@ def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):
             nvvm.cp_async_shared_global(mu.getelementptr(target, [tile * 1024], ir.IntegerType.get_signless(8)),
                                         mu.getelementptr(source, [tile * TILE_COLUMNS], ir.BF16Type.get()),
                                         16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
-        return carry
 
-    mu.fori(mu.c(BLOCK_KEYS // rows_per_pass, index), ())(copy_row)
+    for row, key in zip(rows_of_thread, keys):
+        copy_row(row, key)
 
     # The 64 indices (256 bytes): 16 threads, 16 bytes each.
     with mu.when(arith.cmpi(arith.CmpIPredicate.ult, thread, mu.c(BLOCK_KEYS * 4 // 16, i32))):
@@ -252,26 +256,38 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(rows_ready.at[block % SLOTS])
 
-            @pl.loop(0, blocks)
-            def _blocks(block):
-                slot = block % SLOTS
+            def gather(block):
+                ops.gather(cache_gmem, indices_gmem, row_base + block * BLOCK_KEYS, rows_smem.at[block % SLOTS],
+                           index_smem.at[block % SLOTS])
 
-                @pl.when(block >= SLOTS)
-                def _():
-                    plgpu.barrier_wait(rows_free.at[slot])
-
-                ops.gather(cache_gmem, indices_gmem, row_base + block * BLOCK_KEYS, rows_smem.at[slot],
-                           index_smem.at[slot])
-
-                @pl.when(block >= 1)
-                def _():
-                    ops.wait_for_gathers(1)
-                    publish(block - 1)
-
+            # Each block is published as soon as its rows have landed, and the next gather waits for its slot only
+            # after that: a block's publication never waits behind the gather of the one after it, which would put
+            # that gather's issue (its index loads) between every two blocks' compute. The two slots' blocks go out
+            # together first.
             @pl.when(blocks >= 1)
             def _():
+                gather(0)
+
+            @pl.when(blocks >= 2)
+            def _():
+                gather(1)
+                ops.wait_for_gathers(1)
+                publish(0)
+
+            @pl.when(blocks == 1)
+            def _():
                 ops.wait_for_gathers(0)
-                publish(blocks - 1)
+                publish(0)
+
+            @pl.loop(1, blocks)
+            def _blocks(block):
+                ops.wait_for_gathers(0)
+                publish(block)
+
+                @pl.when(block + 1 < blocks)
+                def _():
+                    plgpu.barrier_wait(rows_free.at[(block + 1) % SLOTS])  # block - 1 is done with it
+                    gather(block + 1)
 
             # The compute warpgroups free each slot once a block; the last SLOTS freeings are waited for too, so
             # that every waiter observes every phase of its barriers (the interpreter checks it; on the GPU it only

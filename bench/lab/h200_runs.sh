@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_mosaic_engine|greedy_probe|mla_ncu|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_mosaic_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -206,19 +206,21 @@ for what in "$@"; do
     # replays on its own.
     mla_ncu) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
-        timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SpeedOfLight \
+        timeout 200 "$ncu" --kernel-name "regex:${NCU_KERNEL:-sparse_mla}" --launch-count 3 --section SpeedOfLight \
           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section LaunchStats --section Occupancy --section InstructionStats python3 bench/lab/ncu_sparse_mla.py \
-          > "$OUT/mla_ncu_sections.log" 2>&1; echo "sections: exit $?"
-        timeout 150 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --metrics \
+          ${NCU_ARGS:-} > "$OUT/mla_ncu_sections.log" 2>&1; echo "sections: exit $?"
+        timeout 150 "$ncu" --kernel-name "regex:${NCU_KERNEL:-sparse_mla}" --launch-count 3 --metrics \
           l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,\
 l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,\
 lts__t_bytes.sum,dram__bytes_read.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,\
-sm__inst_executed.sum,gpu__time_duration.sum python3 bench/lab/ncu_sparse_mla.py > "$OUT/mla_ncu_metrics.log" 2>&1
+sm__inst_executed.sum,gpu__time_duration.sum python3 bench/lab/ncu_sparse_mla.py ${NCU_ARGS:-} \
+          > "$OUT/mla_ncu_metrics.log" 2>&1
         echo "metrics: exit $?"; grep -E "^launch|sparse_mla|Duration|Throughput|Registers|Shared Memory Config|Dynamic Shared|Achieved Occ|Theoretical Occ|Pipe|Stall|Warp Cycles|Issued|Executed Ipc|l1tex__|lts__|dram__|sm__|gpu__|==ERR|==WARN" \
           "$OUT/mla_ncu_sections.log" "$OUT/mla_ncu_metrics.log" | cut -c1-200 | head -150 ;;
     # The SASS of the same launches with per-instruction counters (ncu's source page): which tensor-core path the
     # dots took (HGMMA = wgmma, HMMA = mma.sync) and the shared / local memory instructions, counted per launch.
+    mla_ncu_mosaic) NCU_KERNEL=mosaic NCU_ARGS=--mosaic bash "$0" mla_ncu ;;
     mla_sass) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
         timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SourceCounters --page source \

@@ -10,10 +10,12 @@ latent 512 + 64, 2048 random rows of a 256k-row bf16 cache per query.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_mla_attention import sparse_mla_attention_pallas
+from pallas_kernels.sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_pallas
 
 VARIANTS = [
     dict(),  # the defaults at B = 128: 32 heads on 4 warps, 64-row gathers, 3 stages (mma.sync)
@@ -28,10 +30,13 @@ def main():
     q = jax.random.normal(jax.random.key(1), (B, H, 576)).astype(jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(2), (B, k), 0, rows).astype(jnp.int32)
     compiled = []
-    for opts in VARIANTS:
-        f = jax.jit(lambda q, c, i, opts=opts: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
+    # --mosaic: the Mosaic GPU kernel (sparse_mla_mosaic) alone.
+    variants = [dict(impl="mosaic")] if "--mosaic" in sys.argv else VARIANTS
+    for opts in variants:
+        kernel = sparse_mla_attention if opts.get("impl") == "mosaic" else sparse_mla_attention_pallas
+        f = jax.jit(lambda q, c, i, opts=opts, kernel=kernel: kernel(q, c, i, scale=0.04, **opts))
         compiled.append(f.lower(q, cache, idx).compile())
-    for n, (opts, f) in enumerate(zip(VARIANTS, compiled), 1):
+    for n, (opts, f) in enumerate(zip(variants, compiled), 1):
         jax.block_until_ready(f(q, cache, idx))
         print(f"launch {n}: sparse MLA decode B={B} {opts or 'defaults'}", flush=True)
 
