@@ -392,7 +392,10 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     if split_out:
         out_type.append(jax.ShapeDtypeStruct((T, splits, H), jnp.float32))
     call = plgpu.kernel(
-        entry, out_type=tuple(out_type), grid=(H // HEADS, splits, T), grid_names=("h", "s", "t"),
+        # The last grid axis varies fastest in launch order (Mosaic GPU maps it to CUDA's x): a query's head blocks
+        # run side by side and read its rows once from HBM, the second from L2. With the heads first, the two were
+        # a wave apart and read 540 MB at B=128 where the rows are 302 (ncu, `h200_runs.sh mla_ncu_mosaic`).
+        entry, out_type=tuple(out_type), grid=(T, splits, H // HEADS), grid_names=("t", "s", "h"),
         num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
         **interpret_option(interpret))
     outs = call(listed, q, flat_cache, indices.reshape(-1))
