@@ -4,7 +4,7 @@ floor (bytes at 4.25 TB/s or FLOPs at 810 TFLOP/s, the H200 ceilings measured in
     PYTHONPATH=. python bench/dsa_kernels.py --check [--quick] [--log $OUT/dsa.log]
     PYTHONPATH=. python bench/dsa_kernels.py --check --only select,mla_decode            # issue 14: select, decode
     PYTHONPATH=. python bench/dsa_kernels.py --only indexer --indexer-kinds decode --ctx 131072
-    PYTHONPATH=. python bench/dsa_kernels.py --check --only mla_decode --mosaic   # the Mosaic kernel beside Triton's
+    PYTHONPATH=. python bench/dsa_kernels.py --check --only mla_decode   # the Mosaic and the Triton kernel
 
 Rows marked OLD run the kernels with the options that reproduce their pre-issue-14 algorithm (OLD_SELECT,
 OLD_INDEXER, OLD_MLA); `{}` rows run the defaults.
@@ -40,9 +40,8 @@ from pallas_kernels.topk_select import GROUP, masked_keys_and_group_max, select_
 CTXS = [8192, 32768, 131072]
 INDEXER_KINDS = ["decode", "prefill"]
 MLA_BATCHES = [1, 32, 128]
-# Whether the sparse MLA sections check and time the Mosaic GPU kernel too (--mosaic): off by default until it has run
-# once on a GPU, so that a hang there (a barrier never arrived at) cannot stop the GPU check's kernel checks.
-MOSAIC_MLA = False
+# Whether the sparse MLA sections check and time the Mosaic GPU kernel too: where this jax runs it (--no-mosaic: not).
+MOSAIC_MLA = True
 
 # The kernels as they were before the decode splits and the group compaction (issue 14), for side-by-side rows:
 # the select with a second pass over the row and 32 + 32 fixed counting passes, its own group-maxima pass, the
@@ -509,12 +508,10 @@ def main():
     ap.add_argument("--ctx", default="8192,32768,131072", help="indexer contexts")
     ap.add_argument("--indexer-kinds", default="decode,prefill", help="indexer cases: decode (B=1, 32), prefill")
     ap.add_argument("--mla-batches", default="1,32,128", help="sparse MLA decode batch sizes")
-    ap.add_argument("--mosaic", action="store_true", help="sparse MLA: check and time the Mosaic GPU kernel too")
+    ap.add_argument("--no-mosaic", action="store_true", help="sparse MLA: leave out the Mosaic GPU kernel")
     args = ap.parse_args()
-    if args.mosaic and not mosaic_kernels_available():
-        raise SystemExit("--mosaic: this jax has no Mosaic GPU kernels (jax >= 0.11)")
     global MOSAIC_MLA
-    MOSAIC_MLA = args.mosaic
+    MOSAIC_MLA = not args.no_mosaic and mosaic_kernels_available()
     MLA_BATCHES[:] = [int(b) for b in args.mla_batches.split(",")]
     CTXS[:] = [int(c) for c in args.ctx.split(",")]
     INDEXER_KINDS[:] = args.indexer_kinds.split(",")

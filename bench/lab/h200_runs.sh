@@ -190,9 +190,9 @@ for what in "$@"; do
     # The probe goes first: a kernel that hangs (a barrier waited on and never arrived at) stops the run there.
     mla_mosaic) timeout 120 python3 bench/lab/mosaic_mla_probe.py 2>&1 | grep -v Warning | tail -60
         if [ "${PIPESTATUS[0]}" = 124 ]; then echo "the probe timed out: the kernel hangs?"; continue; fi
-        MOSAIC_MLA_GPU_TESTS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+        timeout 150 python3 -m pytest -q -p no:cacheprovider \
           tests/pallas_kernels/test_sparse_mla_mosaic.py 2>&1 | tail -8
-        timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --quick --only mla_decode --mosaic \
+        timeout "${MLA_TIMEOUT:-200}" python3 bench/dsa_kernels.py --check --quick --only mla_decode \
           --log "$OUT/mla_mosaic.log" 2>&1 | grep -v Warning | grep -i "check\|B=\|mosaic\|error" | tail -30 ;;
     mla_mosaic_engine) for kernel in triton mosaic; do echo "--- JAXMODELS_SPARSE_MLA_KERNEL=$kernel"
           JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 120 python3 -m jaxmodels bench --no-progress \

@@ -4,7 +4,6 @@ dense attention masked to the same rows, compiled on the GPU and in Mosaic GPU's
 plain copies and dots in place of its cp.async gather and wgmma, which the interpreter does not run)."""
 
 import importlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +17,6 @@ from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
 from tests.numerics import rms_relative_error
 from tests.pallas_kernels.test_sparse_mla_attention import _problem, dense_masked_attention
 
-# The kernel has not yet run on a GPU: until it has, the suite runs its GPU tests only when asked
-# (MOSAIC_MLA_GPU_TESTS=1, as `bash bench/lab/h200_runs.sh mla_mosaic` does), so that a hang there (a barrier never
-# arrived at) cannot stop the whole GPU suite.
-asked_for = pytest.mark.skipif(os.environ.get("MOSAIC_MLA_GPU_TESTS") != "1",
-                               reason="the unverified Mosaic kernel runs on the GPU when MOSAIC_MLA_GPU_TESTS=1")
 # The interpreter's runs are the CPU's check; on the GPU the compiled kernel's tests take their place.
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the compiled kernel is tested on the GPU")
 
@@ -107,7 +101,6 @@ def check_listed_counts(run, T, topk, counts):
 
 
 @needs_mosaic
-@asked_for
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 1])
 def test_compiled_kernel_equals_dense_masked_attention(splits):
@@ -119,7 +112,6 @@ def test_compiled_kernel_equals_dense_masked_attention(splits):
 
 
 @needs_mosaic
-@asked_for
 @pytest.mark.gpu
 def test_compiled_kernel_walks_only_the_listed_blocks():
     """A partial last block, a single key, none, all; top-k of 200 (padded to whole blocks with −1); 130 queries
@@ -158,10 +150,10 @@ def test_interpreted_kernel_walks_only_the_listed_blocks():
 
 @needs_mosaic_lowering
 @pytest.mark.parametrize("kernel", ["mosaic", "triton"])
-def test_auto_takes_the_mosaic_kernel_on_a_hopper_when_asked(kernel, monkeypatch, cuda_lowering):
-    """With JAXMODELS_SPARSE_MLA_KERNEL=mosaic, `auto` lowers a paged cache's attention with the indexer's counts (as
-    the MLA layer calls it) onto the Mosaic kernel on a Hopper GPU (here a CPU told it is one); by default it does
-    not."""
+def test_auto_takes_the_mosaic_kernel_on_a_hopper(kernel, monkeypatch, cuda_lowering):
+    """`auto` lowers a paged cache's attention with the indexer's counts (as the MLA layer calls it) onto the
+    Mosaic kernel on a Hopper GPU (here a CPU told it is one), the default, and onto the Triton kernel with
+    JAXMODELS_SPARSE_MLA_KERNEL=triton."""
     dispatch = importlib.import_module("pallas_kernels.sparse_mla_attention")  # the package's name is the function
     monkeypatch.setattr(dispatch, "KERNEL", kernel)
     monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
