@@ -31,7 +31,9 @@ warpgroups:
 Warpgroup 0 issues 3.4 M of the 4.5 M multiply-adds a block. FlashMLA balances the two by alternating which one
 computes S ("seesaw"), which needs each warpgroup's softmax to wait for the other's row maxima; this first form
 keeps one owner of the softmax state and relies on warpgroup 1's products filling the tensor cores while warpgroup 0
-runs its softmax. Shared memory: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own, of
+runs its softmax. At B = 128 on the H200 that leaves the tensor pipe busy 53% of the time, with DRAM at 31% of its
+peak and L2 at 53% (Nsight Compute, `bash bench/lab/h200_runs.sh mla_ncu_mosaic`): the next step is more overlap
+in warpgroup 0 (the seesaw, or the next block's S issued before this block's softmax). Shared memory: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own, of
 the H200's 227: P has no buffer of its own for that reason).
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
