@@ -54,6 +54,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -71,8 +73,13 @@ HALF = LATENT // 2  # output columns a compute warpgroup owns
 TILE_COLUMNS = 64  # bf16 columns of one 128-byte swizzle atom
 PIECE = 8  # bf16 values a cp.async moves (16 bytes)
 PRODUCER_THREADS = 128
+CHUNKS = TILE_COLUMNS // PIECE  # 16-byte chunks in a tile's row: the producer threads that copy a row
+ROWS_PER_PASS = PRODUCER_THREADS // CHUNKS
+PASSES = BLOCK_KEYS // ROWS_PER_PASS  # rows (and keys) a producer thread copies a block
+KEYS_HELD = PRODUCER_THREADS * PASSES  # the producer's keys of a block, as an array strided over its threads
 MIN_BLOCKS_PER_SPLIT = 4  # a split's blocks at least: the two slots' pipeline needs a few to fill
 LOG2E = math.log2(math.e)
+GATHER_BEFORE_PUBLISH = False  # the producer's order (see `_producer`)
 
 
 def mosaic_problem(heads: int, width: int, latent: int, *dtypes) -> str | None:
@@ -102,46 +109,73 @@ def decode_splits(num_queries: int, heads: int, topk: int) -> int:
     return min(range(1, most + 1), key=lambda splits: (walked(splits), splits))
 
 
-def _gather_block(table_ref, indices_ref, first, rows_ref, index_ref):
-    """Emitted by the producer warpgroup (inside `plgpu.inline_mgpu`): cp.async copies of the 64 rows
-    table_ref[indices_ref[first + i]] into rows_ref ([64, 576] in 8 x 64 tiles, 128-byte swizzle), zeros for a −1
-    index, and of the 64 indices into index_ref. One commit group; the caller waits for it."""
+def _thread_rows():
+    """The producer thread's part of a block's gather: eight threads a row, thread `lane` of a row copying its
+    16-byte chunks lane, lane + 8, ..., lane + 64 (one per 64-column tile), so that each copy instruction of a warp
+    reads 128 contiguous bytes of each of 4 rows; 16 rows a pass, 4 passes a block. Returns (thread, lane, the
+    thread's row of each pass) as i32 values."""
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, gpu, llvm, memref, nvvm
+    from jaxlib.mlir.dialects import arith, gpu
 
-    i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
-    tiles_per_row = WIDTH // TILE_COLUMNS
+    i32 = ir.IntegerType.get_signless(32)
     thread = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mu.c(PRODUCER_THREADS, i32))
+    lane = arith.remui(thread, mu.c(CHUNKS, i32))
+    row_in_pass = arith.divui(thread, mu.c(CHUNKS, i32))
+    rows = [arith.addi(mu.c(step * ROWS_PER_PASS, i32), row_in_pass) for step in range(PASSES)]
+    return thread, lane, rows
 
-    def global_pointer(ref):
-        pointer = mu.memref_ptr(ref)
-        if llvm.PointerType(pointer.type).address_space != 1:  # GMEM refs come in the generic address space
-            pointer = llvm.addrspacecast(llvm.PointerType.get(1), pointer)
-        return pointer
 
-    table, indices = global_pointer(table_ref), global_pointer(indices_ref)
+def _global_pointer(ref):
+    """An LLVM pointer to a GMEM ref, in the global address space (GMEM refs come in the generic one)."""
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jaxlib.mlir.dialects import llvm
+
+    pointer = mu.memref_ptr(ref)
+    if llvm.PointerType(pointer.type).address_space != 1:
+        pointer = llvm.addrspacecast(llvm.PointerType.get(1), pointer)
+    return pointer
+
+
+def _load_thread_keys(indices_ref, first):
+    """Emitted by the producer warpgroup: the indices of this thread's rows of the block that starts at
+    indices_ref[first], as a [KEYS_HELD] array strided over the warpgroup (a thread's keys in its one vector register)."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, memref, vector
+
+    _, _, rows = _thread_rows()
+    index = ir.IndexType.get()
+    keys = [memref.load(indices_ref, [arith.index_cast(index, arith.addi(first, row))]) for row in rows]
+    registers = np.empty((1,), dtype=object)
+    registers[0] = vector.from_elements(ir.VectorType.get((PASSES,), ir.IntegerType.get_signless(32)), keys)
+    return mgpu.FragmentedArray(_registers=registers, _layout=mgpu.WGStridedFragLayout((KEYS_HELD,), PASSES),
+                                _is_signed=True)
+
+
+def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref):
+    """Emitted by the producer warpgroup (inside `plgpu.inline_mgpu`): cp.async copies of the 64 rows
+    table_ref[indices_ref[first + i]] into rows_ref ([64, 576] in 8 x 64 tiles, 128-byte swizzle), zeros for a −1
+    index, and of the 64 indices into index_ref. `keys`: this thread's rows' indices (`_load_thread_keys`, loaded
+    ahead). One commit group; the caller waits for it."""
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, nvvm, vector
+
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    tiles_per_row = WIDTH // TILE_COLUMNS
+    thread, lane, rows_of_thread = _thread_rows()
+    table, indices = _global_pointer(table_ref), _global_pointer(indices_ref)
     rows, index_slot = mu.memref_ptr(rows_ref), mu.memref_ptr(index_ref)
+    [key_vector] = keys.registers.flat
+    keys = [vector.extract(key_vector, [], [step]) for step in range(PASSES)]
 
-    # Eight threads a row, thread `lane` copying its 16-byte chunks lane, lane + 8, ..., lane + 64 (one per 64-column
-    # tile): each copy instruction of a warp reads 128 contiguous bytes of each of 4 rows, and a thread loads the
-    # index of one row per pass, 4 passes of 16 rows a block (a load per chunk kept the copies waiting on 36
-    # dependent loads a block). In the wgmma layout (8-row tiles of 64 columns, 1 KiB each, row-major over
-    # [row / 8, column / 64]) row r's chunk c of a tile sits at chunk c ^ (r % 8) (the 128-byte swizzle): the same
-    # for all of a thread's copies of a row, which sit 1 KiB apart.
-    chunks = TILE_COLUMNS // PIECE  # 16-byte chunks in a tile's row: the threads of a row
-    rows_per_pass = PRODUCER_THREADS // chunks
-    lane = arith.remui(thread, mu.c(chunks, i32))
-    row_in_pass = arith.divui(thread, mu.c(chunks, i32))
-    in_tile = arith.remui(row_in_pass, mu.c(8, i32))  # a pass covers whole tiles: the row's place in its tile
+    # In the wgmma layout (8-row tiles of 64 columns, 1 KiB each, row-major over [row / 8, column / 64]) row r's
+    # chunk c of a tile sits at chunk c ^ (r % 8) (the 128-byte swizzle): the same for all of a thread's copies of a
+    # row, which sit 1 KiB apart. A pass covers whole tiles, so the row's place in its tile is the same every pass.
+    in_tile = arith.remui(rows_of_thread[0], mu.c(8, i32))
     chunk_offset = arith.addi(arith.muli(in_tile, mu.c(128, i32)),
                               arith.muli(arith.xori(lane, in_tile), mu.c(16, i32)))
-
-    # A thread's rows' indices are loaded first, all passes' at once: loaded pass by pass, each pass's copies
-    # waited for its own load (four global-memory latencies a block).
-    passes = BLOCK_KEYS // rows_per_pass
-    rows_of_thread = [arith.addi(mu.c(step * rows_per_pass, i32), row_in_pass) for step in range(passes)]
-    keys = [memref.load(indices_ref, [arith.index_cast(index, arith.addi(first, row))]) for row in rows_of_thread]
 
     def copy_row(row, key):
         listed = arith.cmpi(arith.CmpIPredicate.sge, key, mu.c(0, i32))
@@ -183,19 +217,33 @@ class _Compiled(CompiledOps):
         super().__init__()
         self.tiles = tiles
 
-    def gather(self, cache_gmem, indices_gmem, start, rows_ref, index_ref):
-        """Starts copying rows cache[indices[start:start + 64]] (zeros for −1) into rows_ref, and those indices
-        into index_ref; `wait_for_gathers` completes them."""
+    def load_keys(self, indices_gmem, start):
+        """This thread's keys of the block that starts at indices[start], for `gather`: loaded ahead, so that the
+        gather's copies do not wait for them."""
         plgpu = self.plgpu
-        arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.RefType(self.tiles),
-                     plgpu.RefType())
+
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT),
+                           return_type=plgpu.ShapeDtypeStruct((KEYS_HELD,), jnp.int32,
+                                                              plgpu.Layout.WG_STRIDED((KEYS_HELD,), PASSES)))
+        def _load(ctx, indices_ref, first):
+            del ctx
+            return _load_thread_keys(indices_ref, first.registers.item())
+
+        return _load(indices_gmem, start)
+
+    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref):
+        """Starts copying rows cache[indices[start:start + 64]] (zeros for −1) into rows_ref, and those indices
+        into index_ref; `keys` are `load_keys(indices_gmem, start)`. `wait_for_gathers` completes them."""
+        plgpu = self.plgpu
+        arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                     plgpu.Layout.WG_STRIDED((KEYS_HELD,), PASSES), plgpu.RefType(self.tiles), plgpu.RefType())
 
         @plgpu.inline_mgpu(arg_types=arg_types)
-        def _gather(ctx, table_ref, indices_ref, first, rows, indices_slot):
+        def _gather(ctx, table_ref, indices_ref, first, keys, rows, indices_slot):
             del ctx
-            _gather_block(table_ref, indices_ref, first.registers.item(), rows, indices_slot)
+            _gather_block(table_ref, indices_ref, first.registers.item(), keys, rows, indices_slot)
 
-        _gather(cache_gmem, indices_gmem, start, rows_ref, index_ref)
+        _gather(cache_gmem, indices_gmem, start, keys, rows_ref, index_ref)
 
     def wait_for_gathers(self, pending: int):
         """Waits until at most `pending` of this thread's gathers are in flight."""
@@ -204,15 +252,18 @@ class _Compiled(CompiledOps):
 
 class _Interpreted(InterpretedOps):
     """The kernel's operations in Mosaic GPU's interpreter (CPU), which has no rule for inline Mosaic GPU code: the
-    gather copies row by row. The interpreter checks the rest of the kernel as the GPU runs it: the warpgroups, their
+    gather copies row by row, of the keys loaded ahead (a [64] array). The interpreter checks the rest of the kernel as the GPU runs it: the warpgroups, their
     barriers (every phase observed by each waiter), the slots, the indexing and the softmax."""
 
-    def gather(self, cache_gmem, indices_gmem, start, rows_ref, index_ref):
+    def load_keys(self, indices_gmem, start):
+        return indices_gmem[pl.ds(start, BLOCK_KEYS)]
+
+    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref):
         index_ref[...] = indices_gmem[pl.ds(start, BLOCK_KEYS)]
 
         @pl.loop(0, BLOCK_KEYS)
         def _row(i):
-            key = index_ref[i]
+            key = keys[i]
             row = cache_gmem[jnp.maximum(key, 0)]
             rows_ref[i] = jnp.where(key >= 0, row, jnp.zeros_like(row))
 
@@ -260,38 +311,67 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(rows_ready.at[block % SLOTS])
 
-            def gather(block):
-                ops.gather(cache_gmem, indices_gmem, row_base + block * BLOCK_KEYS, rows_smem.at[block % SLOTS],
+            def gather(block, keys):
+                ops.gather(cache_gmem, indices_gmem, row_base + block * BLOCK_KEYS, keys, rows_smem.at[block % SLOTS],
                            index_smem.at[block % SLOTS])
 
-            # Each block is published as soon as its rows have landed, and the next gather waits for its slot only
-            # after that: a block's publication never waits behind the gather of the one after it, which would put
-            # that gather's issue (its index loads) between every two blocks' compute. The two slots' blocks go out
-            # together first.
+            def keys_of(block):
+                # A block's keys are loaded a block ahead of its gather, so that the gather's copies go out without
+                # waiting for them. Past the last block (clamped) they are loaded and not used.
+                block = jnp.clip(block, 0, jnp.maximum(blocks - 1, 0))
+                return ops.load_keys(indices_gmem, row_base + block * BLOCK_KEYS)
+
             @pl.when(blocks >= 1)
             def _():
-                gather(0)
+                gather(0, keys_of(0))
 
-            @pl.when(blocks >= 2)
-            def _():
-                gather(1)
-                ops.wait_for_gathers(1)
-                publish(0)
+            if GATHER_BEFORE_PUBLISH:
+                # Each gather goes out as soon as its slot is free, before the previous block is published: two
+                # gathers can be in flight.
+                def step(block, keys):  # keys: the block's
+                    @pl.when(block >= SLOTS)
+                    def _():
+                        plgpu.barrier_wait(rows_free.at[block % SLOTS])  # block - SLOTS is done with it
 
-            @pl.when(blocks == 1)
-            def _():
-                ops.wait_for_gathers(0)
-                publish(0)
+                    gather(block, keys)
+                    keys = keys_of(block + 1)
+                    ops.wait_for_gathers(1)
+                    publish(block - 1)
+                    return keys
 
-            @pl.loop(1, blocks)
-            def _blocks(block):
-                ops.wait_for_gathers(0)
-                publish(block)
+                lax.fori_loop(1, blocks, step, keys_of(1))
 
-                @pl.when(block + 1 < blocks)
+                @pl.when(blocks >= 1)
                 def _():
-                    plgpu.barrier_wait(rows_free.at[(block + 1) % SLOTS])  # block - 1 is done with it
-                    gather(block + 1)
+                    ops.wait_for_gathers(0)
+                    publish(blocks - 1)
+            else:
+                # Each block is published as soon as its rows have landed, and the next gather waits for its slot
+                # only after that: a block's publication never waits behind the gather of the one after it. The two
+                # slots' blocks go out together first.
+                @pl.when(blocks >= 2)
+                def _():
+                    gather(1, keys_of(1))
+                    ops.wait_for_gathers(1)
+                    publish(0)
+
+                @pl.when(blocks == 1)
+                def _():
+                    ops.wait_for_gathers(0)
+                    publish(0)
+
+                def step(block, keys):  # keys: block + 1's
+                    ops.wait_for_gathers(0)
+                    publish(block)
+
+                    @pl.when(block + 1 < blocks)
+                    def _():
+                        plgpu.barrier_wait(rows_free.at[(block + 1) % SLOTS])  # block - 1 is done with it
+                        gather(block + 1, keys)
+
+                    return keys_of(block + 2)
+
+                lax.fori_loop(1, blocks, step, keys_of(2))
 
             # The compute warpgroups free each slot once a block; the last SLOTS freeings are waited for too, so
             # that every waiter observes every phase of its barriers (the interpreter checks it; on the GPU it only
