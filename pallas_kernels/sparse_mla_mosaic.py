@@ -139,7 +139,8 @@ def _global_pointer(ref):
 
 def _load_thread_keys(indices_ref, first):
     """Emitted by the producer warpgroup: the indices of this thread's rows of the block that starts at
-    indices_ref[first], as a [KEYS_HELD] array strided over the warpgroup (a thread's keys in its one vector register)."""
+    indices_ref[first], as a [KEYS_HELD] array strided over the warpgroup (a thread's keys in its one vector
+    register)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, memref, vector
@@ -252,8 +253,9 @@ class _Compiled(CompiledOps):
 
 class _Interpreted(InterpretedOps):
     """The kernel's operations in Mosaic GPU's interpreter (CPU), which has no rule for inline Mosaic GPU code: the
-    gather copies row by row, of the keys loaded ahead (a [64] array). The interpreter checks the rest of the kernel as the GPU runs it: the warpgroups, their
-    barriers (every phase observed by each waiter), the slots, the indexing and the softmax."""
+    gather copies row by row, of the keys loaded ahead (a [64] array). The interpreter checks the rest of the kernel
+    as the GPU runs it: the warpgroups, their barriers (every phase observed by each waiter), the slots, the indexing
+    and the softmax."""
 
     def load_keys(self, indices_gmem, start):
         return indices_gmem[pl.ds(start, BLOCK_KEYS)]
