@@ -1,7 +1,8 @@
 """Sparse MLA decode for Hopper through Pallas' Mosaic GPU backend: FlashMLA's split of the work over warpgroups,
 with the selected latent rows gathered into shared memory by `cp.async` (issue 42). `sparse_mla_attention`'s `auto`
-takes it on Hopper. On the H200 at top-2048 and 128 heads: 0.018 / 0.051 / 0.173 ms at B = 1 / 32 / 128, against the
-Triton kernel's 0.036 / 0.179 / 0.309; 46% of the byte floor at B = 128 (docs/BENCHMARKS.md).
+takes it on Hopper. On the H200 at top-2048 and 128 heads: 0.017 / 0.050 / 0.170 ms at B = 1 / 32 / 128, against the
+Triton kernel's 0.036 / 0.179 / 0.312; 47% of the byte floor at B = 128 (docs/BENCHMARKS.md). Prefill chunks (2,048
+queries) take as long on either kernel: 4.85 ms.
 
 `sparse_mla_decode_mosaic(q[T, H, 576], flat_cache[N, 576], indices[T, k], *, scale, listed) -> [T, H, 512]`: the
 semantics of `sparse_mla_attention.sparse_mla_attention_reference` (bf16 q and cache, absorbed MLA, Dl = 512 value
@@ -22,7 +23,8 @@ warpgroups:
     (its row gather is Blackwell's), and Pallas rejects a one-row TMA into an 8-row tile, so the rows are copied
     16 bytes a thread with `cp.async` (emitted through `plgpu.inline_mgpu`, `_gather_block`), eight threads a row
     (each copy instruction of a warp reads 128 contiguous bytes of 4 rows). A −1 entry copies zeros (source size
-    0). It also copies the block's 64 indices, which mark the keys that are none.
+    0). It also copies the block's 64 indices, which mark the keys that are none. A thread loads the indices of its
+    rows a block ahead (`load_keys`), so that a gather's copies wait for no load.
   * warpgroup 0 owns the softmax: S = Q Kᵀ over all 576 columns ([64 heads, 64 keys], the query block read from
     shared memory, loaded once), the online softmax in base 2, then O[:, :256] += P V[:, :256] with P in bf16 from
     its registers. It also writes P to shared memory, where the slot's rope columns were (S was their only reader,
@@ -33,8 +35,10 @@ computes S ("seesaw"), which needs each warpgroup's softmax to wait for the othe
 keeps one owner of the softmax state and relies on warpgroup 1's products filling the tensor cores while warpgroup 0
 runs its softmax. At B = 128 on the H200 that leaves the tensor pipe busy 53% of the time, with DRAM at 31% of its
 peak and L2 at 53% (Nsight Compute, `bash bench/lab/h200_runs.sh mla_ncu_mosaic`): the next step is more overlap
-in warpgroup 0 (the seesaw, or the next block's S issued before this block's softmax). Shared memory: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own, of
-the H200's 227: P has no buffer of its own for that reason).
+in warpgroup 0: the seesaw. The next block's S issued before this block's softmax would need a third row slot (with
+two, that block's rows could only be gathered once the slot of the block before was free, just before they are
+needed), and shared memory holds two: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own,
+of the H200's 227: P has no buffer of its own for that reason).
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
 (`tools/aot_h200.py`) then reports 28 bytes of spills, where 232 each spilled 136 (warpgroup 0's loop-invariant
@@ -79,7 +83,6 @@ PASSES = BLOCK_KEYS // ROWS_PER_PASS  # rows (and keys) a producer thread copies
 KEYS_HELD = PRODUCER_THREADS * PASSES  # the producer's keys of a block, as an array strided over its threads
 MIN_BLOCKS_PER_SPLIT = 4  # a split's blocks at least: the two slots' pipeline needs a few to fill
 LOG2E = math.log2(math.e)
-GATHER_BEFORE_PUBLISH = False  # the producer's order (see `_producer`)
 
 
 def mosaic_problem(heads: int, width: int, latent: int, *dtypes) -> str | None:
@@ -319,7 +322,8 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
 
             def keys_of(block):
                 # A block's keys are loaded a block ahead of its gather, so that the gather's copies go out without
-                # waiting for them. Past the last block (clamped) they are loaded and not used.
+                # waiting for them (H200, B=128: 0.174 -> 0.170 ms; B=32 0.052 -> 0.050). Past the last block
+                # (clamped) they are loaded and not used.
                 block = jnp.clip(block, 0, jnp.maximum(blocks - 1, 0))
                 return ops.load_keys(indices_gmem, row_base + block * BLOCK_KEYS)
 
@@ -327,53 +331,34 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
             def _():
                 gather(0, keys_of(0))
 
-            if GATHER_BEFORE_PUBLISH:
-                # Each gather goes out as soon as its slot is free, before the previous block is published: two
-                # gathers can be in flight.
-                def step(block, keys):  # keys: the block's
-                    @pl.when(block >= SLOTS)
-                    def _():
-                        plgpu.barrier_wait(rows_free.at[block % SLOTS])  # block - SLOTS is done with it
+            # Each block is published as soon as its rows have landed, and the next gather waits for its slot
+            # only after that: a block's publication never waits behind the gather of the one after it. The two
+            # slots' blocks go out together first. The other order, each gather issued as soon as its slot is free
+            # and before the previous block's publication (two gathers in flight), was slower on the H200 (B=128:
+            # 0.183 ms against 0.170 at dd9c7de): the gathers keep up, and warpgroup 0's chain sets the pace.
+            @pl.when(blocks >= 2)
+            def _():
+                gather(1, keys_of(1))
+                ops.wait_for_gathers(1)
+                publish(0)
 
-                    gather(block, keys)
-                    keys = keys_of(block + 1)
-                    ops.wait_for_gathers(1)
-                    publish(block - 1)
-                    return keys
+            @pl.when(blocks == 1)
+            def _():
+                ops.wait_for_gathers(0)
+                publish(0)
 
-                lax.fori_loop(1, blocks, step, keys_of(1))
+            def step(block, keys):  # keys: block + 1's
+                ops.wait_for_gathers(0)
+                publish(block)
 
-                @pl.when(blocks >= 1)
+                @pl.when(block + 1 < blocks)
                 def _():
-                    ops.wait_for_gathers(0)
-                    publish(blocks - 1)
-            else:
-                # Each block is published as soon as its rows have landed, and the next gather waits for its slot
-                # only after that: a block's publication never waits behind the gather of the one after it. The two
-                # slots' blocks go out together first.
-                @pl.when(blocks >= 2)
-                def _():
-                    gather(1, keys_of(1))
-                    ops.wait_for_gathers(1)
-                    publish(0)
+                    plgpu.barrier_wait(rows_free.at[(block + 1) % SLOTS])  # block - 1 is done with it
+                    gather(block + 1, keys)
 
-                @pl.when(blocks == 1)
-                def _():
-                    ops.wait_for_gathers(0)
-                    publish(0)
+                return keys_of(block + 2)
 
-                def step(block, keys):  # keys: block + 1's
-                    ops.wait_for_gathers(0)
-                    publish(block)
-
-                    @pl.when(block + 1 < blocks)
-                    def _():
-                        plgpu.barrier_wait(rows_free.at[(block + 1) % SLOTS])  # block - 1 is done with it
-                        gather(block + 1, keys)
-
-                    return keys_of(block + 2)
-
-                lax.fori_loop(1, blocks, step, keys_of(2))
+            lax.fori_loop(1, blocks, step, keys_of(2))
 
             # The compute warpgroups free each slot once a block; the last SLOTS freeings are waited for too, so
             # that every waiter observes every phase of its barriers (the interpreter checks it; on the GPU it only
