@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_mosaic_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_mosaic_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -198,6 +198,8 @@ for what in "$@"; do
           JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 120 python3 -m jaxmodels bench --no-progress \
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
             2>&1 | grep -A4 "| B |"; done ;;
+    # The kernel's time split: whole, compute alone, gathers alone (bench/lab/mla_mosaic_split.py).
+    mla_split) timeout 200 python3 bench/lab/mla_mosaic_split.py 2>&1 | grep -v Warning | tail -8 ;;
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     # Nsight Compute's counters of the sparse MLA decode at B = 128, a launch per tile variant
