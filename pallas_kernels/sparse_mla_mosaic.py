@@ -335,7 +335,8 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
             # only after that: a block's publication never waits behind the gather of the one after it. The two
             # slots' blocks go out together first. The other order, each gather issued as soon as its slot is free
             # and before the previous block's publication (two gathers in flight), was slower on the H200 (B=128:
-            # 0.183 ms against 0.170 at dd9c7de): the gathers keep up, and warpgroup 0's chain sets the pace.
+            # 0.183 ms against 0.170 at dd9c7de), a sign that the gathers keep up (`h200_runs.sh mla_split` times
+            # each part).
             @pl.when(blocks >= 2)
             def _():
                 gather(1, keys_of(1))
