@@ -30,6 +30,7 @@ warpgroups:
     its registers. It also writes P to shared memory, where the slot's rope columns were (S was their only reader,
     and the slot is refilled only once both warpgroups are done with it), with each row's rescale factor.
   * warpgroup 1 takes P and the rescale from shared memory and adds P V[:, 256:] into O[:, 256:].
+`OWNER_COLUMNS` sets warpgroup 0's share of the value columns (256); warpgroup 1 takes the rest, a wgmma per 256.
 Warpgroup 0 issues 3.4 M of the 4.5 M multiply-adds a block. FlashMLA balances the two by alternating which one
 computes S ("seesaw"), which needs each warpgroup's softmax to wait for the other's row maxima; this first form
 keeps one owner of the softmax state and relies on warpgroup 1's products filling the tensor cores while warpgroup 0
@@ -73,7 +74,9 @@ BLOCK_KEYS = 64  # keys a block: S's N, and P V's K
 SLOTS = 2  # row slots in flight
 LATENT = 512  # value columns (Dl)
 WIDTH = 576  # a latent row: Dl + Dr
-HALF = LATENT // 2  # output columns a compute warpgroup owns
+OWNER_COLUMNS = 256  # value columns warpgroup 0 (the softmax owner) accumulates, the first ones; warpgroup 1 the rest
+OWNER_REGISTERS, SECOND_REGISTERS, PRODUCER_REGISTERS = 256, 200, 40  # a thread's, set_max_registers
+WGMMA_MAX_N = 256
 TILE_COLUMNS = 64  # bf16 columns of one 128-byte swizzle atom
 PIECE = 8  # bf16 values a cp.async moves (16 bytes)
 PRODUCER_THREADS = 128
@@ -110,6 +113,11 @@ def decode_splits(num_queries: int, heads: int, topk: int) -> int:
         return pl.cdiv(programs * splits, num_sms()) * pl.cdiv(blocks, splits)
 
     return min(range(1, most + 1), key=lambda splits: (walked(splits), splits))
+
+
+def second_pieces() -> list[tuple[int, int]]:
+    """Warpgroup 1's value columns (those after OWNER_COLUMNS) as (start, width) pieces of one wgmma each."""
+    return [(start, min(WGMMA_MAX_N, LATENT - start)) for start in range(OWNER_COLUMNS, LATENT, WGMMA_MAX_N)]
 
 
 def _thread_rows():
@@ -307,7 +315,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             row_base = t * padded + first
 
             def publish(block):
@@ -382,12 +390,12 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
             # The softmax owner holds the most live values (its half of O, S, P, the wgmma descriptors): at 232
             # registers a thread it spilled 136 bytes, reloaded from local memory every block (L1 hit rate 16%
             # there, ncu); at 256, 28 (`tools/aot_h200.py`). 256 + 200 + the producer's 40 fit the 64K registers.
-            plgpu.set_max_registers(256, action="increase")
+            plgpu.set_max_registers(OWNER_REGISTERS, action="increase")
             plgpu.copy_gmem_to_smem(q_gmem.at[t, heads], q_smem, q_ready)
             plgpu.barrier_wait(q_ready)
             m = ops.with_layout(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             total = ops.with_layout(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = ops.with_layout(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+            acc = ops.with_layout(jnp.zeros((HEADS, OWNER_COLUMNS), jnp.float32), plgpu.Layout.WGMMA)
 
             def block_step(block, carry):
                 acc, m, total = carry
@@ -412,7 +420,7 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
                 alpha_smem[slot] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready.at[slot])
-                acc = ops.accumulate(rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(0, HALF)])
+                acc = ops.accumulate(rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(0, OWNER_COLUMNS)])
                 plgpu.barrier_arrive(rows_free.at[slot])
                 return acc, m_new, total
 
@@ -420,31 +428,35 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
             stats_smem[0] = total
             plgpu.commit_smem()
             plgpu.barrier_arrive(done)
-            finish(acc, total, pl.ds(0, HALF))
+            finish(acc, total, pl.ds(0, OWNER_COLUMNS))
             if lse_gmem is not None:
                 some = total > 0
                 lse = jnp.where(some, (m + jnp.log2(jnp.where(some, total, 1.0))) / LOG2E, -jnp.inf)
                 lse_gmem[t, split, heads] = lse
 
         @pl.when(wg == 1)
-        def _second_half():
-            plgpu.set_max_registers(200, action="increase")
-            acc = ops.with_layout(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+        def _second_warpgroup():
+            plgpu.set_max_registers(SECOND_REGISTERS, action="increase")
+            pieces = second_pieces()  # one wgmma each
+            accs = tuple(ops.with_layout(jnp.zeros((HEADS, width), jnp.float32), plgpu.Layout.WGMMA)
+                         for _, width in pieces)
 
-            def block_step(block, acc):
+            def block_step(block, accs):
                 slot = block % SLOTS
                 plgpu.barrier_wait(rows_ready.at[slot])
                 plgpu.barrier_wait(p_ready.at[slot])
                 alpha = ops.load(alpha_smem.at[slot], plgpu.Layout.WGMMA.reduce(1))
-                acc = ops.accumulate(rescale(acc, alpha), rows_smem.at[slot, :, pl.ds(LATENT, BLOCK_KEYS)],
-                                     rows_smem.at[slot, :, pl.ds(HALF, HALF)])
+                p16 = rows_smem.at[slot, :, pl.ds(LATENT, BLOCK_KEYS)]
+                accs = tuple(ops.accumulate(rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(start, width)])
+                             for acc, (start, width) in zip(accs, pieces))
                 plgpu.barrier_arrive(rows_free.at[slot])
-                return acc
+                return accs
 
-            acc = lax.fori_loop(0, blocks, block_step, acc)
+            accs = lax.fori_loop(0, blocks, block_step, accs)
             plgpu.barrier_wait(done)
             total = ops.load(stats_smem.at[0], plgpu.Layout.WGMMA.reduce(1))
-            finish(acc, total, pl.ds(HALF, HALF))
+            for acc, (start, width) in zip(accs, pieces):
+                finish(acc, total, pl.ds(start, width))
 
     def entry(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem=None):
         pl.run_scoped(

@@ -12,8 +12,9 @@ GPU machine with jax >= 0.11:
 | holes | as uniform, over the rows that are not −1 | the −1 rows' zeros and masking |
 | split | uniform with the list split over 4 programs | the split outputs' log-sum-exp and their combine |
 
-Columns 0-255 are warpgroup 0's (it also owns the softmax), 256-511 warpgroup 1's (P and the rescale from shared
-memory). Each case prints the largest error of each half, over queries and heads, and the first query that fails.
+The first OWNER_COLUMNS columns are warpgroup 0's (it also owns the softmax), the rest warpgroup 1's (P and the
+rescale from shared memory). Each case prints the largest error of each warpgroup's columns, over queries and heads,
+and the first query that fails.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.sparse_mla_mosaic import HALF, sparse_mla_decode_mosaic
+from pallas_kernels.sparse_mla_mosaic import OWNER_COLUMNS, sparse_mla_decode_mosaic
 
 T, H, K, ROWS = 8, 128, 512, 4096
 TOLERANCE = 2e-2  # bf16 values, P rounded to bf16 before P V
@@ -63,7 +64,7 @@ def cases(seed=0):
 
 def main():
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; T={T} H={H} top-{K} over {ROWS} rows")
-    print(f"{'case':<10} {'cols 0-255':>11} {'cols 256-511':>13}  first failing query")
+    print(f"{'case':<10} {'warpgroup 0':>11} {'warpgroup 1':>13}  first failing query")
     for name, q, cache, idx, listed, scale, splits, want in cases():
         bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
         want = np.asarray(bf16(want), np.float32)
@@ -79,7 +80,7 @@ def main():
             print(f"{name:<10} failed: " + "\n    ".join(lines[-6:]))
             continue
         error = np.abs(got - want) / np.maximum(np.abs(want).max(), 1e-6)
-        halves = [error[..., :HALF].max(), error[..., HALF:].max()]
+        halves = [error[..., :OWNER_COLUMNS].max(), error[..., OWNER_COLUMNS:].max()]
         bad = np.flatnonzero(error.max(axis=(1, 2)) > TOLERANCE)
         where = "none" if not bad.size else (
             f"query {bad[0]}: heads {np.flatnonzero(error[bad[0]].max(axis=1) > TOLERANCE)[:8].tolist()}")

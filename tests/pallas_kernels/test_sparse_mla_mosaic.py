@@ -141,6 +141,18 @@ def test_interpreted_kernel_equals_dense_masked_attention(splits):
 
 @needs_mosaic_lowering
 @on_cpu
+def test_interpreted_kernel_with_a_smaller_share_for_the_softmax_owner(monkeypatch):
+    """Warpgroup 0 on the first 192 value columns, warpgroup 1 on the other 320 in two wgmma pieces (256 and 64):
+    the split `bench/lab/mla_mosaic_split.py` times against the kernel's 256 / 256."""
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_COLUMNS", 192)
+    assert sparse_mla_mosaic.second_pieces() == [(192, 256), (448, 64)]
+    check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=2), T=4, H=128, topk=320,
+                                  num_pages=8)
+
+
+@needs_mosaic_lowering
+@on_cpu
 def test_interpreted_kernel_walks_only_the_listed_blocks():
     """Counts of a whole list, one key, none (no block walked: zeros), one key past a block, a block exactly,
     and two blocks and a bit, over lists of 200 split in two."""
