@@ -18,7 +18,6 @@ import statistics
 import time
 
 import jax
-import numpy as np
 
 
 def main() -> None:
