@@ -82,10 +82,13 @@ class CompiledOps:
     def load(self, ref, layout):
         return load_with_layout(ref, layout)
 
-    def matmul_transposed(self, a_ref, b_ref):
-        """a_ref @ b_ref.T in float32 on the tensor cores (wgmma), both operands in shared memory; returns when the
-        tensor cores are done reading them."""
+    def matmul_transposed(self, a_ref, b_ref, acc=None):
+        """a_ref @ b_ref.T in float32 on the tensor cores (wgmma), both operands in shared memory, added to `acc` if
+        given; returns when the tensor cores are done reading them."""
         plgpu = self.plgpu
+        if acc is not None:
+            return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0))))(
+                plgpu.ACC.init(acc))
 
         def product(acc_ref):
             plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
@@ -110,9 +113,10 @@ class InterpretedOps:
     def load(self, ref, layout):
         return ref[...]
 
-    def matmul_transposed(self, a_ref, b_ref):
-        return lax.dot_general(a_ref[...].astype(jnp.float32), b_ref[...].astype(jnp.float32),
-                               (((1,), (1,)), ((), ())))
+    def matmul_transposed(self, a_ref, b_ref, acc=None):
+        product = lax.dot_general(a_ref[...].astype(jnp.float32), b_ref[...].astype(jnp.float32),
+                                  (((1,), (1,)), ((), ())))
+        return product if acc is None else acc + product
 
     def accumulate(self, acc, a, b_ref):
         a = a if isinstance(a, jax.Array) else a[...]

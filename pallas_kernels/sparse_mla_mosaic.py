@@ -36,10 +36,17 @@ computes S ("seesaw"), which needs each warpgroup's softmax to wait for the othe
 keeps one owner of the softmax state and relies on warpgroup 1's products filling the tensor cores while warpgroup 0
 runs its softmax. At B = 128 on the H200 that leaves the tensor pipe busy 53% of the time, with DRAM at 31% of its
 peak and L2 at 53% (Nsight Compute, `bash bench/lab/h200_runs.sh mla_ncu_mosaic`): the next step is more overlap
-in warpgroup 0: the seesaw. The next block's S issued before this block's softmax would need a third row slot (with
-two, that block's rows could only be gathered once the slot of the block before was free, just before they are
-needed), and shared memory holds two: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own,
-of the H200's 227: P has no buffer of its own for that reason).
+in warpgroup 0. The next block's S issued before this block's softmax would need a third row slot (with two, that
+block's rows could only be gathered once the slot of the block before was free, just before they are needed), and
+shared memory holds two: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own, of the H200's
+227).
+
+`SCHEDULE = "seesaw"` builds the seesaw as FlashMLA's sparse prefill kernel runs it (about 640 TFLOP/s on the H800,
+where this kernel does 430 on the H200 at B = 128; `_seesaw_schedule`): the warpgroups own alternate blocks of a
+pair, and each half of a slot is published and freed on its own, so that the next pair's first halves are gathered
+while this pair is computed. Warpgroup 1's P needs a buffer of its own (8 KiB), which fits once Pallas' 2 KiB of
+reduction scratch is off. It passes the interpreter's tests, compiles without spills at 232 / 232 / 40 registers,
+and is not yet timed on the GPU (`bash bench/lab/h200_runs.sh mla_split` times it against this schedule).
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
 (`tools/aot_h200.py`) then reports 28 bytes of spills, where 232 each spilled 136 (warpgroup 0's loop-invariant
@@ -74,6 +81,7 @@ BLOCK_KEYS = 64  # keys a block: S's N, and P V's K
 SLOTS = 2  # row slots in flight
 LATENT = 512  # value columns (Dl)
 WIDTH = 576  # a latent row: Dl + Dr
+SCHEDULE = "owner"  # how the compute warpgroups split the work: `_owner_schedule` or `_seesaw_schedule`
 OWNER_COLUMNS = 256  # value columns warpgroup 0 (the softmax owner) accumulates, the first ones; warpgroup 1 the rest
 OWNER_REGISTERS, SECOND_REGISTERS, PRODUCER_REGISTERS = 256, 200, 40  # a thread's, set_max_registers
 WGMMA_MAX_N = 256
@@ -165,10 +173,12 @@ def _load_thread_keys(indices_ref, first):
                                 _is_signed=True)
 
 
-def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref):
+def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref,
+                  tiles: range = range(WIDTH // TILE_COLUMNS)):
     """Emitted by the producer warpgroup (inside `plgpu.inline_mgpu`): cp.async copies of the 64 rows
     table_ref[indices_ref[first + i]] into rows_ref ([64, 576] in 8 x 64 tiles, 128-byte swizzle), zeros for a −1
-    index, and of the 64 indices into index_ref. `keys`: this thread's rows' indices (`_load_thread_keys`, loaded
+    index, and of the 64 indices into index_ref (None: not copied). `tiles`: the 64-column tiles copied (all, or
+    one half of the row for the seesaw schedule). `keys`: this thread's rows' indices (`_load_thread_keys`, loaded
     ahead). One commit group; the caller waits for it."""
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
@@ -178,7 +188,7 @@ def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref):
     tiles_per_row = WIDTH // TILE_COLUMNS
     thread, lane, rows_of_thread = _thread_rows()
     table, indices = _global_pointer(table_ref), _global_pointer(indices_ref)
-    rows, index_slot = mu.memref_ptr(rows_ref), mu.memref_ptr(index_ref)
+    rows = mu.memref_ptr(rows_ref)
     [key_vector] = keys.registers.flat
     keys = [vector.extract(key_vector, [], [step]) for step in range(PASSES)]
 
@@ -198,7 +208,7 @@ def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref):
                                   ir.BF16Type.get())
         tile_row = arith.muli(arith.divui(row, mu.c(8, i32)), mu.c(tiles_per_row * 1024, i32))
         target = mu.getelementptr(rows, [arith.addi(tile_row, chunk_offset)], ir.IntegerType.get_signless(8))
-        for tile in range(tiles_per_row):
+        for tile in tiles:
             nvvm.cp_async_shared_global(mu.getelementptr(target, [tile * 1024], ir.IntegerType.get_signless(8)),
                                         mu.getelementptr(source, [tile * TILE_COLUMNS], ir.BF16Type.get()),
                                         16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
@@ -206,11 +216,14 @@ def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref):
     for row, key in zip(rows_of_thread, keys):
         copy_row(row, key)
 
+    if index_ref is None:
+        nvvm.cp_async_commit_group()
+        return
     # The 64 indices (256 bytes): 16 threads, 16 bytes each.
     with mu.when(arith.cmpi(arith.CmpIPredicate.ult, thread, mu.c(BLOCK_KEYS * 4 // 16, i32))):
         source = mu.getelementptr(indices, [arith.extui(i64, arith.addi(first, arith.muli(thread, mu.c(4, i32))))],
                                   i32)
-        target = mu.getelementptr(index_slot, [arith.muli(thread, mu.c(4, i32))], i32)
+        target = mu.getelementptr(mu.memref_ptr(index_ref), [arith.muli(thread, mu.c(4, i32))], i32)
         nvvm.cp_async_shared_global(target, source, 16, nvvm.LoadCacheModifierKind.CG)
     nvvm.cp_async_commit_group()
 
@@ -220,6 +233,14 @@ def _wait_for_gathers(pending: int):
     from jaxlib.mlir.dialects import nvvm
 
     nvvm.cp_async_wait_group(pending)
+
+
+def _tiles_of(columns) -> range:
+    """The 64-column tiles of a row that `columns` (a pl.ds of whole tiles, or None: the whole row) covers."""
+    if columns is None:
+        return range(WIDTH // TILE_COLUMNS)
+    assert columns.start % TILE_COLUMNS == 0 and columns.size % TILE_COLUMNS == 0, columns
+    return range(columns.start // TILE_COLUMNS, (columns.start + columns.size) // TILE_COLUMNS)
 
 
 class _Compiled(CompiledOps):
@@ -243,19 +264,24 @@ class _Compiled(CompiledOps):
 
         return _load(indices_gmem, start)
 
-    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref):
+    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref, columns=None):
         """Starts copying rows cache[indices[start:start + 64]] (zeros for −1) into rows_ref, and those indices
-        into index_ref; `keys` are `load_keys(indices_gmem, start)`. `wait_for_gathers` completes them."""
+        into index_ref (None: not copied); `keys` are `load_keys(indices_gmem, start)`; `columns` (a pl.ds of whole
+        64-column tiles): only those columns of the rows. `wait_for_gathers` completes them."""
         plgpu = self.plgpu
+        tiles = _tiles_of(columns)
         arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
-                     plgpu.Layout.WG_STRIDED((KEYS_HELD,), PASSES), plgpu.RefType(self.tiles), plgpu.RefType())
+                     plgpu.Layout.WG_STRIDED((KEYS_HELD,), PASSES), plgpu.RefType(self.tiles))
+        args = (cache_gmem, indices_gmem, start, keys, rows_ref)
+        if index_ref is not None:
+            arg_types, args = arg_types + (plgpu.RefType(),), args + (index_ref,)
 
         @plgpu.inline_mgpu(arg_types=arg_types)
-        def _gather(ctx, table_ref, indices_ref, first, keys, rows, indices_slot):
+        def _gather(ctx, table_ref, indices_ref, first, keys, rows, indices_slot=None):
             del ctx
-            _gather_block(table_ref, indices_ref, first.registers.item(), keys, rows, indices_slot)
+            _gather_block(table_ref, indices_ref, first.registers.item(), keys, rows, indices_slot, tiles)
 
-        _gather(cache_gmem, indices_gmem, start, keys, rows_ref, index_ref)
+        _gather(*args)
 
     def wait_for_gathers(self, pending: int):
         """Waits until at most `pending` of this thread's gathers are in flight."""
@@ -271,14 +297,16 @@ class _Interpreted(InterpretedOps):
     def load_keys(self, indices_gmem, start):
         return indices_gmem[pl.ds(start, BLOCK_KEYS)]
 
-    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref):
-        index_ref[...] = indices_gmem[pl.ds(start, BLOCK_KEYS)]
+    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref, columns=None):
+        if index_ref is not None:
+            index_ref[...] = indices_gmem[pl.ds(start, BLOCK_KEYS)]
+        columns = pl.ds(0, WIDTH) if columns is None else columns
 
         @pl.loop(0, BLOCK_KEYS)
         def _row(i):
             key = keys[i]
-            row = cache_gmem[jnp.maximum(key, 0)]
-            rows_ref[i] = jnp.where(key >= 0, row, jnp.zeros_like(row))
+            row = cache_gmem[jnp.maximum(key, 0), columns]
+            rows_ref[i, columns] = jnp.where(key >= 0, row, jnp.zeros_like(row))
 
     def wait_for_gathers(self, pending: int):
         del pending  # the copies above are done when they return
@@ -295,182 +323,33 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     problem = mosaic_problem(H, D, LATENT, q.dtype, flat_cache.dtype)
     if problem:
         raise ValueError(f"sparse_mla_decode_mosaic: {problem}")
+    seesaw = SCHEDULE == "seesaw"
     splits = decode_splits(T, H, topk) if num_splits is None else num_splits
-    split_len = pl.cdiv(pl.cdiv(topk, splits), BLOCK_KEYS) * BLOCK_KEYS
+    walked = BLOCK_KEYS * (SLOTS if seesaw else 1)  # the seesaw walks its blocks in pairs
+    split_len = pl.cdiv(pl.cdiv(topk, splits), walked) * walked
     padded = splits * split_len
     indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, padded - topk)), constant_values=-1)
-    listed = jnp.full((T,), topk, jnp.int32) if listed is None else jnp.minimum(listed.astype(jnp.int32), topk)
+    listed = jnp.full((T,), topk, jnp.int32) if listed is None else jnp.clip(listed.astype(jnp.int32), 0, topk)
     scale_log2 = float(scale) * LOG2E  # scores in base 2: exp2 is one instruction
     tiles = (plgpu.TilingTransform((8, TILE_COLUMNS)), plgpu.SwizzleTransform(128))
     ops = _Interpreted() if interpret else _Compiled(tiles)
 
     def kernel(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem, scratch):
-        q_smem, rows_smem, index_smem, alpha_smem, stats_smem, (rows_ready, rows_free, p_ready, q_ready, done) = scratch
         head_block, split, t = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("t")
-        wg = lax.axis_index("wg")
         heads = pl.ds(head_block * HEADS, HEADS)
         first = split * split_len
-        in_split = jnp.clip(listed_gmem[t] - first, 0, split_len)
-        blocks = (in_split + BLOCK_KEYS - 1) // BLOCK_KEYS
-
-        @pl.when(wg == 2)
-        def _producer():
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            row_base = t * padded + first
-
-            def publish(block):
-                # Each thread's copies are complete (cp.async.wait_group); the fence orders them before the
-                # warpgroup's arrival for the tensor cores' reads (the async proxy).
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(rows_ready.at[block % SLOTS])
-
-            def gather(block, keys):
-                ops.gather(cache_gmem, indices_gmem, row_base + block * BLOCK_KEYS, keys, rows_smem.at[block % SLOTS],
-                           index_smem.at[block % SLOTS])
-
-            def keys_of(block):
-                # A block's keys are loaded a block ahead of its gather, so that the gather's copies go out without
-                # waiting for them (H200, B=128: 0.174 -> 0.170 ms; B=32 0.052 -> 0.050). Past the last block
-                # (clamped) they are loaded and not used.
-                block = jnp.clip(block, 0, jnp.maximum(blocks - 1, 0))
-                return ops.load_keys(indices_gmem, row_base + block * BLOCK_KEYS)
-
-            @pl.when(blocks >= 1)
-            def _():
-                gather(0, keys_of(0))
-
-            # Each block is published as soon as its rows have landed, and the next gather waits for its slot
-            # only after that: a block's publication never waits behind the gather of the one after it. The two
-            # slots' blocks go out together first. The other order, each gather issued as soon as its slot is free
-            # and before the previous block's publication (two gathers in flight), was slower on the H200 (B=128:
-            # 0.183 ms against 0.170 at dd9c7de), a sign that the gathers keep up (`h200_runs.sh mla_split` times
-            # each part).
-            @pl.when(blocks >= 2)
-            def _():
-                gather(1, keys_of(1))
-                ops.wait_for_gathers(1)
-                publish(0)
-
-            @pl.when(blocks == 1)
-            def _():
-                ops.wait_for_gathers(0)
-                publish(0)
-
-            def step(block, keys):  # keys: block + 1's
-                ops.wait_for_gathers(0)
-                publish(block)
-
-                @pl.when(block + 1 < blocks)
-                def _():
-                    plgpu.barrier_wait(rows_free.at[(block + 1) % SLOTS])  # block - 1 is done with it
-                    gather(block + 1, keys)
-
-                return keys_of(block + 2)
-
-            lax.fori_loop(1, blocks, step, keys_of(2))
-
-            # The compute warpgroups free each slot once a block; the last SLOTS freeings are waited for too, so
-            # that every waiter observes every phase of its barriers (the interpreter checks it; on the GPU it only
-            # keeps the idle producer until the end).
-            @pl.loop(jnp.maximum(blocks - SLOTS, 0), blocks)
-            def _drain(block):
-                plgpu.barrier_wait(rows_free.at[block % SLOTS])
-
-        def rescale(array, factor):
-            return array * lax.broadcast_in_dim(factor, array.shape, [0])
-
-        def finish(acc, total, columns):
-            """Normalise this warpgroup's output columns and store them (and, split, the log-sum-exp)."""
-            some = total > 0
-            out = rescale(acc, jnp.where(some, 1.0 / jnp.where(some, total, 1.0), 0.0))
-            out_gmem[t, split, heads, columns] = out.astype(out_gmem.dtype)
-
-        @pl.when(wg == 0)
-        def _softmax_owner():
-            # The softmax owner holds the most live values (its half of O, S, P, the wgmma descriptors): at 232
-            # registers a thread it spilled 136 bytes, reloaded from local memory every block (L1 hit rate 16%
-            # there, ncu); at 256, 28 (`tools/aot_h200.py`). 256 + 200 + the producer's 40 fit the 64K registers.
-            plgpu.set_max_registers(OWNER_REGISTERS, action="increase")
-            plgpu.copy_gmem_to_smem(q_gmem.at[t, heads], q_smem, q_ready)
-            plgpu.barrier_wait(q_ready)
-            m = ops.with_layout(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            total = ops.with_layout(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = ops.with_layout(jnp.zeros((HEADS, OWNER_COLUMNS), jnp.float32), plgpu.Layout.WGMMA)
-
-            def block_step(block, carry):
-                acc, m, total = carry
-                slot = block % SLOTS
-                plgpu.barrier_wait(rows_ready.at[slot])
-                s = ops.matmul_transposed(q_smem, rows_smem.at[slot])
-                # A key counts when it is listed (before `listed`) and not −1.
-                key = ops.load(index_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                position = ops.with_layout(lax.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0),
-                                           plgpu.Layout.WGMMA.reduce(0))
-                counts = (key >= 0) & (position < in_split - block * BLOCK_KEYS)
-                s = jnp.where(lax.broadcast_in_dim(counts, s.shape, [1]), s * scale_log2, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # every key so far none: exp2 stays finite
-                alpha = jnp.exp2(m - m_safe)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-                total = total * alpha + p.sum(axis=1)
-                p16 = p.astype(jnp.bfloat16)
-                # P goes where the slot's rope columns were (read by S only, which is done): no buffer of its own,
-                # and the slot is refilled only once both warpgroups are done with it.
-                rows_smem[slot, :, pl.ds(LATENT, BLOCK_KEYS)] = p16
-                alpha_smem[slot] = alpha
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(p_ready.at[slot])
-                acc = ops.accumulate(rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(0, OWNER_COLUMNS)])
-                plgpu.barrier_arrive(rows_free.at[slot])
-                return acc, m_new, total
-
-            acc, m, total = lax.fori_loop(0, blocks, block_step, (acc, m, total))
-            stats_smem[0] = total
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(done)
-            finish(acc, total, pl.ds(0, OWNER_COLUMNS))
-            if lse_gmem is not None:
-                some = total > 0
-                lse = jnp.where(some, (m + jnp.log2(jnp.where(some, total, 1.0))) / LOG2E, -jnp.inf)
-                lse_gmem[t, split, heads] = lse
-
-        @pl.when(wg == 1)
-        def _second_warpgroup():
-            plgpu.set_max_registers(SECOND_REGISTERS, action="increase")
-            pieces = second_pieces()  # one wgmma each
-            accs = tuple(ops.with_layout(jnp.zeros((HEADS, width), jnp.float32), plgpu.Layout.WGMMA)
-                         for _, width in pieces)
-
-            def block_step(block, accs):
-                slot = block % SLOTS
-                plgpu.barrier_wait(rows_ready.at[slot])
-                plgpu.barrier_wait(p_ready.at[slot])
-                alpha = ops.load(alpha_smem.at[slot], plgpu.Layout.WGMMA.reduce(1))
-                p16 = rows_smem.at[slot, :, pl.ds(LATENT, BLOCK_KEYS)]
-                accs = tuple(ops.accumulate(rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(start, width)])
-                             for acc, (start, width) in zip(accs, pieces))
-                plgpu.barrier_arrive(rows_free.at[slot])
-                return accs
-
-            accs = lax.fori_loop(0, blocks, block_step, accs)
-            plgpu.barrier_wait(done)
-            total = ops.load(stats_smem.at[0], plgpu.Layout.WGMMA.reduce(1))
-            for acc, (start, width) in zip(accs, pieces):
-                finish(acc, total, pl.ds(start, width))
+        count = listed_gmem[t]
+        in_split = jnp.clip(count - first, 0, split_len)
+        program = _Program(ops, plgpu, t=t, split=split, heads=heads, row_base=t * padded + first, in_split=in_split,
+                           opaque_zero=count >> 30,  # counts are in [0, topk]
+                           scale_log2=scale_log2, cache_gmem=cache_gmem, indices_gmem=indices_gmem,
+                           q_gmem=q_gmem, out_gmem=out_gmem, lse_gmem=lse_gmem)
+        (_seesaw_schedule if seesaw else _owner_schedule)(program, *scratch)
 
     def entry(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem=None):
         pl.run_scoped(
             lambda *scratch: kernel(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem, scratch),
-            plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiles),
-            plgpu.SMEM((SLOTS, BLOCK_KEYS, WIDTH), jnp.bfloat16, transforms=tiles),
-            plgpu.SMEM((SLOTS, BLOCK_KEYS), jnp.int32),
-            plgpu.SMEM((SLOTS, HEADS), jnp.float32),
-            plgpu.SMEM((1, HEADS), jnp.float32),
-            (plgpu.Barrier(num_barriers=SLOTS),  # rows_ready: the producer's arrival
-             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # rows_free: both compute warpgroups
-             plgpu.Barrier(num_barriers=SLOTS),  # p_ready: warpgroup 0's P and rescale of the slot's block
-             plgpu.Barrier(),  # q_ready (TMA)
-             plgpu.Barrier()),  # done: warpgroup 0's row sums are in stats_smem
+            *(_seesaw_scratch if seesaw else _owner_scratch)(plgpu, tiles),
             collective_axes="wg",
         )
 
@@ -483,7 +362,10 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
         # run side by side and read its rows once from HBM, the second from L2. With the heads first, the two were
         # a wave apart and read 540 MB at B=128 where the rows are 302 (ncu, `h200_runs.sh mla_ncu_mosaic`).
         entry, out_type=tuple(out_type), grid=(T, splits, H // HEADS), grid_names=("t", "s", "h"),
-        num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+        num_threads=3, thread_name="wg",
+        # The seesaw's shared memory leaves no room for Pallas' 2 KiB of cross-warp reduction scratch, which its
+        # reductions (over the columns of wgmma's layout, within a warp) do not use.
+        compiler_params=plgpu.CompilerParams(approx_math=True, **({"reduction_scratch_bytes": 0} if seesaw else {})),
         **interpret_option(interpret))
     outs = call(listed, q, flat_cache, indices.reshape(-1))
     if not split_out:
@@ -491,3 +373,408 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     from .sparse_mla_attention import _combine_splits  # here: that module imports this one
 
     return _combine_splits(outs[0], outs[1], q.dtype)
+
+
+class _Program:
+    """What both schedules' warpgroups share in a program (a query's head block and split of its list): where its
+    query, rows and output are, and the scores' masking and the output's normalisation."""
+
+    def __init__(self, ops, plgpu, *, t, split, heads, row_base, in_split, opaque_zero, scale_log2, cache_gmem,
+                 indices_gmem, q_gmem, out_gmem, lse_gmem):
+        self.ops, self.plgpu = ops, plgpu
+        self.opaque_zero = opaque_zero  # 0, loaded from memory: LLVM cannot fold it
+        self.t, self.split, self.heads, self.row_base, self.in_split = t, split, heads, row_base, in_split
+        self.blocks = (in_split + BLOCK_KEYS - 1) // BLOCK_KEYS
+        self.scale_log2 = scale_log2
+        self.cache_gmem, self.indices_gmem, self.q_gmem = cache_gmem, indices_gmem, q_gmem
+        self.out_gmem, self.lse_gmem = out_gmem, lse_gmem
+
+    def wg(self):
+        return lax.axis_index("wg")
+
+    def keys_of(self, block, walked):
+        """The producer thread's keys of `block` (clamped to the `walked` blocks: past them loaded, not used)."""
+        block = jnp.clip(block, 0, jnp.maximum(walked - 1, 0))
+        return self.ops.load_keys(self.indices_gmem, self.row_base + block * BLOCK_KEYS)
+
+    def gather(self, block, keys, rows_ref, index_ref, columns=None):
+        self.ops.gather(self.cache_gmem, self.indices_gmem, self.row_base + block * BLOCK_KEYS, keys, rows_ref,
+                        index_ref, columns)
+
+    def masked_scores(self, s, index_ref, block):
+        """S of `block` in base 2, −inf where a key does not count: −1, or not listed (at or past `listed`)."""
+        key = self.ops.load(index_ref, self.plgpu.Layout.WGMMA.reduce(0))
+        position = self.ops.with_layout(lax.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0),
+                                        self.plgpu.Layout.WGMMA.reduce(0))
+        counts = (key >= 0) & (position < self.in_split - block * BLOCK_KEYS)
+        return jnp.where(lax.broadcast_in_dim(counts, s.shape, [1]), s * self.scale_log2, -jnp.inf)
+
+    def rows_vector(self, value):
+        return self.ops.with_layout(value, self.plgpu.Layout.WGMMA.reduce(1))
+
+    def load_rows_vector(self, ref):
+        return self.ops.load(ref, self.plgpu.Layout.WGMMA.reduce(1))
+
+    def finish(self, acc, total, columns):
+        """Normalise this warpgroup's output columns and store them (and, split, the log-sum-exp)."""
+        some = total > 0
+        out = _rescale(acc, jnp.where(some, 1.0 / jnp.where(some, total, 1.0), 0.0))
+        self.out_gmem[self.t, self.split, self.heads, columns] = out.astype(self.out_gmem.dtype)
+
+    def store_lse(self, m, total):
+        if self.lse_gmem is not None:
+            some = total > 0
+            lse = jnp.where(some, (m + jnp.log2(jnp.where(some, total, 1.0))) / LOG2E, -jnp.inf)
+            self.lse_gmem[self.t, self.split, self.heads] = lse
+
+
+def _rescale(array, factor):
+    return array * lax.broadcast_in_dim(factor, array.shape, [0])
+
+
+def _safe_max(m):
+    """The row maximum to subtract: 0 where every key so far is none (−inf), so that exp2 stays finite."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def _owner_scratch(plgpu, tiles):
+    return (plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiles),
+            plgpu.SMEM((SLOTS, BLOCK_KEYS, WIDTH), jnp.bfloat16, transforms=tiles),
+            plgpu.SMEM((SLOTS, BLOCK_KEYS), jnp.int32),
+            plgpu.SMEM((SLOTS, HEADS), jnp.float32),
+            plgpu.SMEM((1, HEADS), jnp.float32),
+            (plgpu.Barrier(num_barriers=SLOTS),  # rows_ready: the producer's arrival
+             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # rows_free: both compute warpgroups
+             plgpu.Barrier(num_barriers=SLOTS),  # p_ready: warpgroup 0's P and rescale of the slot's block
+             plgpu.Barrier(),  # q_ready (TMA)
+             plgpu.Barrier()))  # done: warpgroup 0's row sums are in stats_smem
+
+
+def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_smem, barriers):
+    """Warpgroup 0 owns the softmax (S, the online softmax and O[:, :OWNER_COLUMNS]); warpgroup 1 adds P V into the
+    other columns; the producer gathers a block a slot (module docstring)."""
+    rows_ready, rows_free, p_ready, q_ready, done = barriers
+    ops, plgpu, blocks = program.ops, program.plgpu, program.blocks
+    wg = program.wg()
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        def publish(block):
+            # Each thread's copies are complete (cp.async.wait_group); the fence orders them before the
+            # warpgroup's arrival for the tensor cores' reads (the async proxy).
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(rows_ready.at[block % SLOTS])
+
+        def gather(block, keys):
+            program.gather(block, keys, rows_smem.at[block % SLOTS], index_smem.at[block % SLOTS])
+
+        def keys_of(block):
+            # A block's keys are loaded a block ahead of its gather, so that the gather's copies go out without
+            # waiting for them (H200, B=128: 0.174 -> 0.170 ms; B=32 0.052 -> 0.050).
+            return program.keys_of(block, blocks)
+
+        @pl.when(blocks >= 1)
+        def _():
+            gather(0, keys_of(0))
+
+        # Each block is published as soon as its rows have landed, and the next gather waits for its slot
+        # only after that: a block's publication never waits behind the gather of the one after it. The two
+        # slots' blocks go out together first. The other order, each gather issued as soon as its slot is free
+        # and before the previous block's publication (two gathers in flight), was slower on the H200 (B=128:
+        # 0.183 ms against 0.170 at dd9c7de), a sign that the gathers keep up (`h200_runs.sh mla_split` times
+        # each part).
+        @pl.when(blocks >= 2)
+        def _():
+            gather(1, keys_of(1))
+            ops.wait_for_gathers(1)
+            publish(0)
+
+        @pl.when(blocks == 1)
+        def _():
+            ops.wait_for_gathers(0)
+            publish(0)
+
+        def step(block, keys):  # keys: block + 1's
+            ops.wait_for_gathers(0)
+            publish(block)
+
+            @pl.when(block + 1 < blocks)
+            def _():
+                plgpu.barrier_wait(rows_free.at[(block + 1) % SLOTS])  # block - 1 is done with it
+                gather(block + 1, keys)
+
+            return keys_of(block + 2)
+
+        lax.fori_loop(1, blocks, step, keys_of(2))
+
+        # The compute warpgroups free each slot once a block; the last SLOTS freeings are waited for too, so
+        # that every waiter observes every phase of its barriers (the interpreter checks it; on the GPU it only
+        # keeps the idle producer until the end).
+        @pl.loop(jnp.maximum(blocks - SLOTS, 0), blocks)
+        def _drain(block):
+            plgpu.barrier_wait(rows_free.at[block % SLOTS])
+
+    @pl.when(wg == 0)
+    def _softmax_owner():
+        # The softmax owner holds the most live values (its half of O, S, P, the wgmma descriptors): at 232
+        # registers a thread it spilled 136 bytes, reloaded from local memory every block (L1 hit rate 16%
+        # there, ncu); at 256, 28 (`tools/aot_h200.py`). 256 + 200 + the producer's 40 fit the 64K registers.
+        plgpu.set_max_registers(OWNER_REGISTERS, action="increase")
+        plgpu.copy_gmem_to_smem(program.q_gmem.at[program.t, program.heads], q_smem, q_ready)
+        plgpu.barrier_wait(q_ready)
+        m = program.rows_vector(jnp.full((HEADS,), -jnp.inf, jnp.float32))
+        total = program.rows_vector(jnp.zeros((HEADS,), jnp.float32))
+        acc = ops.with_layout(jnp.zeros((HEADS, OWNER_COLUMNS), jnp.float32), plgpu.Layout.WGMMA)
+
+        def block_step(block, carry):
+            acc, m, total = carry
+            slot = block % SLOTS
+            plgpu.barrier_wait(rows_ready.at[slot])
+            s = program.masked_scores(ops.matmul_transposed(q_smem, rows_smem.at[slot]), index_smem.at[slot], block)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = _safe_max(m_new)
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            total = total * alpha + p.sum(axis=1)
+            p16 = p.astype(jnp.bfloat16)
+            # P goes where the slot's rope columns were (read by S only, which is done): no buffer of its own,
+            # and the slot is refilled only once both warpgroups are done with it.
+            rows_smem[slot, :, pl.ds(LATENT, BLOCK_KEYS)] = p16
+            alpha_smem[slot] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready.at[slot])
+            acc = ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(0, OWNER_COLUMNS)])
+            plgpu.barrier_arrive(rows_free.at[slot])
+            return acc, m_new, total
+
+        acc, m, total = lax.fori_loop(0, blocks, block_step, (acc, m, total))
+        stats_smem[0] = total
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(done)
+        program.finish(acc, total, pl.ds(0, OWNER_COLUMNS))
+        program.store_lse(m, total)
+
+    @pl.when(wg == 1)
+    def _second_warpgroup():
+        plgpu.set_max_registers(SECOND_REGISTERS, action="increase")
+        pieces = second_pieces()  # one wgmma each
+        accs = tuple(ops.with_layout(jnp.zeros((HEADS, width), jnp.float32), plgpu.Layout.WGMMA)
+                     for _, width in pieces)
+
+        def block_step(block, accs):
+            slot = block % SLOTS
+            plgpu.barrier_wait(rows_ready.at[slot])
+            plgpu.barrier_wait(p_ready.at[slot])
+            alpha = program.load_rows_vector(alpha_smem.at[slot])
+            p16 = rows_smem.at[slot, :, pl.ds(LATENT, BLOCK_KEYS)]
+            accs = tuple(ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(start, width)])
+                         for acc, (start, width) in zip(accs, pieces))
+            plgpu.barrier_arrive(rows_free.at[slot])
+            return accs
+
+        accs = lax.fori_loop(0, blocks, block_step, accs)
+        plgpu.barrier_wait(done)
+        total = program.load_rows_vector(stats_smem.at[0])
+        for acc, (start, width) in zip(accs, pieces):
+            program.finish(acc, total, pl.ds(start, width))
+
+
+# The seesaw's half slots: the first 256 columns of a slot's rows (V's first half) and the rest (V's second half and
+# the rope columns), each gathered, published and freed on its own.
+LEFT, RIGHT = pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2)
+HALVES = 2
+# The producer's order within a pair of blocks (slot, half), FlashMLA's: each half first needed comes first.
+SEESAW_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
+SEESAW_REGISTERS = (232, 232, 40)  # warpgroup 0, 1 and the producer: 504 x 128 = the launch's 64,512
+
+
+def _seesaw_scratch(plgpu, tiles):
+    return (plgpu.SMEM((1, HEADS, WIDTH), jnp.bfloat16, transforms=tiles),  # Q (indexed by `pair_zero`)
+            plgpu.SMEM((SLOTS, BLOCK_KEYS, WIDTH), jnp.bfloat16, transforms=tiles),  # rows: even and odd blocks
+            plgpu.SMEM((1, HEADS, BLOCK_KEYS), jnp.bfloat16, transforms=tiles),  # warpgroup 1's P (odd blocks)
+            plgpu.SMEM((SLOTS, BLOCK_KEYS), jnp.int32),  # each slot's indices
+            plgpu.SMEM((3, HEADS), jnp.float32),  # the pair's row maximum, and each warpgroup's row sums
+            (plgpu.Barrier(num_barriers=SLOTS * HALVES),  # half_ready[slot * 2 + half]: the producer's
+             plgpu.Barrier(num_barriers=SLOTS * HALVES),  # half_free: its last reader's
+             plgpu.Barrier(num_barriers=SLOTS),  # max_ready[slot]: the slot owner's row maximum is in stats[0]
+             plgpu.Barrier(num_barriers=SLOTS),  # p_ready[slot]: the slot owner's P is stored
+             plgpu.Barrier(),  # q_ready (TMA)
+             plgpu.Barrier(num_arrivals=2)))  # sums_ready: both warpgroups' row sums are in stats[1:]
+
+
+def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_smem, barriers):
+    """FlashMLA's sparse prefill schedule (its "seesaw"): the two compute warpgroups own a block each of a pair,
+    warpgroup 0 the even one (slot 0) and 1 the odd one (slot 1), and each holds half of O (the first and last 256
+    value columns). Each computes its block's S, and both warpgroups' tensor work is the same: S of one block and
+    P V of both blocks over its half. The online softmax is one, in order: warpgroup 0's row maximum m0 (the even
+    block) goes to warpgroup 1, whose m1 = max(m0, its block's) comes back; warpgroup 0 then rescales its P to m1
+    before storing it. Warpgroup 0's P goes where slot 0's rope columns were, warpgroup 1's to a buffer of its own,
+    since warpgroup 0 reads it after slot 1's second half is free. Each half slot is published when gathered and
+    freed by its last reader, so that the next pair's first halves are gathered while this pair is computed."""
+    half_ready, half_free, max_ready, p_ready, q_ready, sums_ready = barriers
+    ops, plgpu = program.ops, program.plgpu
+    pairs = (program.blocks + 1) // 2
+    walked = 2 * pairs  # an odd last block is walked with a block of no keys (the lists are padded to pairs)
+    wg = program.wg()
+
+    def half(slot, part):
+        return half_ready.at[slot * HALVES + part], half_free.at[slot * HALVES + part]
+
+    def pair_zero(pair):
+        """0, computed from the pair so that LLVM cannot see it: the shared-memory operands are indexed with it,
+        which keeps their wgmma descriptors (a 64-bit value per 16 columns of K: about 80 a warpgroup) in the loop.
+        With constant indices LLVM hoisted them all out of it and ptxas spilled 1.4 KB a thread
+        (`tools/aot_h200.py --set SCHEDULE=seesaw`); the owner schedule's slot alternates, and so its operands'
+        descriptors stay in its loop (but Q's)."""
+        return pair & program.opaque_zero
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(SEESAW_REGISTERS[2], action="decrease")
+
+        def gather(slot, part, block, keys):
+            # A slot's indices come with its second half, which S waits for last.
+            program.gather(block, keys, rows_smem.at[slot], index_smem.at[slot] if part else None,
+                           (LEFT, RIGHT)[part])
+
+        def publish(slot, part):
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(half(slot, part)[0])
+
+        @pl.when(pairs >= 1)
+        def _():
+            gather(0, 0, 0, program.keys_of(0, walked))
+
+        # Each half is gathered once its last reader freed it (the first pair's are free), and the half gathered
+        # before it is published once it has landed: two halves in flight.
+        def pair_step(pair, keys):
+            even, odd = keys  # this pair's blocks' keys; the even block's first half is already in flight
+            following = (program.keys_of(2 * pair + 2, walked), program.keys_of(2 * pair + 3, walked))
+            previous = SEESAW_ORDER[0]
+            for slot, part in SEESAW_ORDER[1:]:
+                @pl.when(pair > 0)
+                def _():
+                    plgpu.barrier_wait(half(slot, part)[1])
+
+                gather(slot, part, 2 * pair + slot, (even, odd)[slot])
+                ops.wait_for_gathers(1)
+                publish(*previous)
+                previous = (slot, part)
+
+            @pl.when(pair + 1 < pairs)
+            def _():
+                plgpu.barrier_wait(half(0, 0)[1])
+                gather(0, 0, 2 * pair + 2, following[0])
+                ops.wait_for_gathers(1)
+                publish(*previous)
+
+            @pl.when(pair + 1 == pairs)
+            def _():
+                ops.wait_for_gathers(0)
+                publish(*previous)
+
+            return following
+
+        lax.fori_loop(0, pairs, pair_step, (program.keys_of(0, walked), program.keys_of(1, walked)))
+
+        # The last pair's freeings, waited for so that every waiter observes every phase (see `_owner_schedule`).
+        @pl.when(pairs >= 1)
+        def _():
+            for slot, part in SEESAW_ORDER:
+                plgpu.barrier_wait(half(slot, part)[1])
+
+    def softmax_state():
+        return (ops.with_layout(jnp.zeros((HEADS, LATENT // 2), jnp.float32), plgpu.Layout.WGMMA),
+                program.rows_vector(jnp.full((HEADS,), -jnp.inf, jnp.float32)),
+                program.rows_vector(jnp.zeros((HEADS,), jnp.float32)))
+
+    def scores(slot, block, parts, zero):
+        """The slot's block's masked S, over its halves in `parts`' order (each waited for)."""
+        s = None
+        for part in parts:
+            plgpu.barrier_wait(half(slot, part)[0])
+            columns = (LEFT, RIGHT)[part]
+            s = ops.matmul_transposed(q_smem.at[zero, :, columns], rows_smem.at[slot + zero, :, columns], s)
+        return program.masked_scores(s, index_smem.at[slot], block)
+
+    def finish(acc, m, total, wg_index):
+        stats_smem[1 + wg_index] = total
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(sums_ready)
+        plgpu.barrier_wait(sums_ready)
+        total = program.load_rows_vector(stats_smem.at[1]) + program.load_rows_vector(stats_smem.at[2])
+        program.finish(acc, total, (LEFT, pl.ds(LATENT // 2, LATENT // 2))[wg_index])
+        if wg_index == 0:
+            program.store_lse(m, total)
+
+    @pl.when(wg == 0)
+    def _even_blocks():
+        plgpu.set_max_registers(SEESAW_REGISTERS[0], action="increase")
+        plgpu.copy_gmem_to_smem(program.q_gmem.at[program.t, program.heads], q_smem.at[0], q_ready)
+        plgpu.barrier_wait(q_ready)
+
+        def pair_step(pair, carry):
+            acc, m, total = carry
+            zero = pair_zero(pair)
+            s = scores(0, 2 * pair, (0, 1), zero)
+            m0 = jnp.maximum(m, s.max(axis=1))
+            stats_smem[0] = m0
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(max_ready.at[0])
+            m0_safe = _safe_max(m0)
+            alpha = jnp.exp2(m - m0_safe)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m0_safe, s.shape, [0]))
+            total = total * alpha + p.sum(axis=1)
+            acc = ops.accumulate(_rescale(acc, alpha), p.astype(jnp.bfloat16), rows_smem.at[zero, :, LEFT])
+            plgpu.barrier_arrive(half(0, 0)[1])
+            # The pair's maximum, then this block's P at it, for warpgroup 1 (where slot 0's rope columns were).
+            plgpu.barrier_wait(max_ready.at[1])
+            m1 = program.load_rows_vector(stats_smem.at[0])
+            beta = jnp.exp2(m0 - _safe_max(m1))
+            rows_smem[0, :, pl.ds(LATENT, BLOCK_KEYS)] = _rescale(p, beta).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready.at[0])
+            plgpu.barrier_wait(half(1, 0)[0])
+            plgpu.barrier_wait(p_ready.at[1])
+            acc = ops.accumulate(_rescale(acc, beta), p_odd_smem.at[zero], rows_smem.at[1 + zero, :, LEFT])
+            plgpu.barrier_arrive(half(1, 0)[1])
+            return acc, m1, total * beta
+
+        acc, m, total = lax.fori_loop(0, pairs, pair_step, softmax_state())
+        finish(acc, m, total, 0)
+
+    @pl.when(wg == 1)
+    def _odd_blocks():
+        plgpu.set_max_registers(SEESAW_REGISTERS[1], action="increase")
+        plgpu.barrier_wait(q_ready)
+        second = pl.ds(LATENT // 2, LATENT // 2)
+
+        def pair_step(pair, carry):
+            acc, m, total = carry
+            zero = pair_zero(pair)
+            s = scores(1, 2 * pair + 1, (1, 0), zero)
+            plgpu.barrier_wait(max_ready.at[0])
+            m1 = jnp.maximum(program.load_rows_vector(stats_smem.at[0]), s.max(axis=1))
+            stats_smem[0] = m1
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(max_ready.at[1])
+            m1_safe = _safe_max(m1)
+            alpha = jnp.exp2(m - m1_safe)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m1_safe, s.shape, [0]))
+            total = total * alpha + p.sum(axis=1)
+            p16 = p.astype(jnp.bfloat16)
+            p_odd_smem[0] = p16
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready.at[1])
+            acc = ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[1 + zero, :, second])
+            plgpu.barrier_arrive(half(1, 1)[1])
+            plgpu.barrier_wait(half(0, 1)[0])
+            plgpu.barrier_wait(p_ready.at[0])
+            acc = ops.accumulate(acc, rows_smem.at[zero, :, pl.ds(LATENT, BLOCK_KEYS)], rows_smem.at[zero, :, second])
+            plgpu.barrier_arrive(half(0, 1)[1])
+            return acc, m1, total
+
+        acc, m, total = lax.fori_loop(0, pairs, pair_step, softmax_state())
+        finish(acc, m, total, 1)

@@ -9,6 +9,7 @@ API difference there.
 
     bash tools/aot_venv.sh                       # once: .venv-aot, this jax with its CUDA plugin
     .venv-aot/bin/python tools/aot_h200.py sparse_mla_mosaic --batch 128
+    .venv-aot/bin/python tools/aot_h200.py sparse_mla_mosaic --set SCHEDULE=seesaw --set "SEESAW_REGISTERS=(232,232,40)"
     .venv-aot/bin/python tools/aot_h200.py sparse_mla_triton --batch 128 --block-h 32
     .venv-aot/bin/python tools/aot_h200.py fp8_mosaic --sass /tmp/sass
 """
@@ -152,6 +153,28 @@ def _recipes(args):
     return dict(sparse_mla_mosaic=sparse_mla_mosaic, sparse_mla_triton=sparse_mla_triton, fp8_mosaic=fp8_mosaic)
 
 
+KERNEL_MODULES = dict(sparse_mla_mosaic="pallas_kernels.sparse_mla_mosaic",
+                      sparse_mla_triton="pallas_kernels.sparse_mla_attention",
+                      fp8_mosaic="pallas_kernels.fp8_matmul_mosaic")
+
+
+def _set_constants(module_name: str, assignments: list[str]):
+    """`--set NAME=VALUE`: the kernel's module constants to compile with (a variant's schedule or registers)."""
+    import ast
+    import importlib
+
+    module = importlib.import_module(module_name)
+    for assignment in assignments:
+        name, _, text = assignment.partition("=")
+        if not hasattr(module, name):
+            raise SystemExit(f"{module_name} has no constant {name}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        setattr(module, name, value)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernel", choices=["sparse_mla_mosaic", "sparse_mla_triton", "fp8_mosaic"])
@@ -160,6 +183,8 @@ def main(argv=None):
     parser.add_argument("--block-h", type=int, default=None, help="sparse MLA Triton: heads a program")
     parser.add_argument("--num-warps", type=int, default=None, help="sparse MLA Triton: warps a program")
     parser.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS here (needs nvdisasm)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="set a constant of the kernel's module first (a Python literal, else a string)")
     args = parser.parse_args(argv)
 
     dump = Path(tempfile.mkdtemp(prefix="aot_h200_"))
@@ -169,6 +194,7 @@ def main(argv=None):
                       MOSAIC_GPU_DUMP_TO=str(dump / "mosaic"))
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump / 'xla'}".strip()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    _set_constants(KERNEL_MODULES[args.kernel], args.set)
     fn, shapes = _recipes(args)[args.kernel]()
     compile_for_h200(fn, *shapes)
     reports = ptxas_reports(dump, args.sass)

@@ -4,8 +4,9 @@ whatever the slots hold) and its gathers alone (no wgmma: S is zeros and P V add
 stores stay). If the whole kernel takes about as long as one part, that part sets the pace; if it takes about
 their sum, the two do not overlap. Then the whole kernel with warpgroup 0's share of the value columns cut (it also
 computes S and the softmax, so its chain is the longer one; warpgroup 1 takes the rest): 256 (the kernel's), 192 and
-128 columns, each with the registers that leave ptxas no spills (`tools/aot_h200.py`). B = 32 / 128 queries,
-top-2048, 128 heads, dsa_kernels' timing.
+128 columns, each with the registers that leave ptxas no spills (`tools/aot_h200.py`). Last the seesaw schedule
+(`_seesaw_schedule`: each warpgroup computes S for every other block), whole and its compute alone. B = 32 / 128
+queries, top-2048, 128 heads, dsa_kernels' timing.
 
     PYTHONPATH=. python bench/lab/mla_mosaic_split.py        # bash bench/lab/h200_runs.sh mla_split
 """
@@ -21,6 +22,7 @@ sys.path.insert(0, "bench")
 from dsa_kernels import sets_for, timed  # noqa: E402
 from jaxmodels.benchmark_floors import COPY_BANDWIDTH  # noqa: E402
 import pallas_kernels.sparse_mla_mosaic as mla  # noqa: E402
+from tests.numerics import rms_relative_error  # noqa: E402
 
 KERNEL_OPS = mla._Compiled
 # Warpgroup 0's value columns, with its registers and warpgroup 1's: ptxas reports no spills for these (28 bytes for
@@ -31,14 +33,16 @@ COLUMN_SPLITS = [(192, 240, 224), (128, 216, 256)]
 class ComputeOnly(KERNEL_OPS):
     """No rows copied: `wait_for_gathers` finds nothing in flight, and each block is published at once."""
 
-    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref):
-        del cache_gmem, indices_gmem, start, keys, rows_ref, index_ref
+    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref, columns=None):
+        del cache_gmem, indices_gmem, start, keys, rows_ref, index_ref, columns
 
 
 class GathersOnly(KERNEL_OPS):
     """No tensor-core work: S is zeros and P V leaves the accumulator as it is."""
 
-    def matmul_transposed(self, a_ref, b_ref):
+    def matmul_transposed(self, a_ref, b_ref, acc=None):
+        if acc is not None:
+            return acc
         return self.with_layout(jnp.zeros((a_ref.shape[0], b_ref.shape[0]), jnp.float32), self.plgpu.Layout.WGMMA)
 
     def accumulate(self, acc, a, b_ref):
@@ -61,7 +65,8 @@ def main():
                     ("gathers only", GathersOnly, {})] + [
             (f"wg0 {columns} columns", KERNEL_OPS,
              dict(OWNER_COLUMNS=columns, OWNER_REGISTERS=owner, SECOND_REGISTERS=second))
-            for columns, owner, second in COLUMN_SPLITS]
+            for columns, owner, second in COLUMN_SPLITS] + [
+            ("seesaw", KERNEL_OPS, dict(SCHEDULE="seesaw")), ("seesaw compute", ComputeOnly, dict(SCHEDULE="seesaw"))]
         for name, ops, constants in variants:
             kept = {constant: getattr(mla, constant) for constant in constants}
             mla._Compiled = ops
@@ -70,12 +75,17 @@ def main():
             try:
                 seconds = timed(lambda c, q, i: mla.sparse_mla_decode_mosaic(q, c, i, scale=0.04, listed=n),
                                 (cache,), problems)
+                out = mla.sparse_mla_decode_mosaic(problems[0][0], cache, problems[0][1], scale=0.04, listed=n)
             finally:
                 mla._Compiled = KERNEL_OPS
                 for constant, value in kept.items():
                     setattr(mla, constant, value)
-            print(f"B={B:<4} {name:<16} {seconds * 1e3:.4f} ms  ({100 * floor / seconds:.1f}% of the byte floor)",
-                  flush=True)
+            if ops is KERNEL_OPS and not constants:
+                reference = out.astype(jnp.float32)
+            # The variants that compute the whole product against the kernel (the parts alone compute other things).
+            differs = "" if ops is not KERNEL_OPS else f"  rms difference {rms_relative_error(out, reference):.1e}"
+            print(f"B={B:<4} {name:<16} {seconds * 1e3:.4f} ms  ({100 * floor / seconds:.1f}% of the byte floor)"
+                  f"{differs}", flush=True)
 
 
 if __name__ == "__main__":

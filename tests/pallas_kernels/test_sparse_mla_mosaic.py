@@ -38,6 +38,15 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
     jax.export.export(f, platforms=["cuda"])(*args)
 
 
+@needs_mosaic_lowering
+@pytest.mark.parametrize("T, listed, splits", [(128, False, None), (1, True, None)])
+def test_seesaw_schedule_lowers_for_the_h200(T, listed, splits, monkeypatch):
+    """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off),
+    one program a query's head block and a list split over programs."""
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "SCHEDULE", "seesaw")
+    test_kernel_lowers_for_the_h200(T, 128, listed, splits)
+
+
 def test_lists_split_to_fill_whole_waves_of_programs(monkeypatch):
     """On 132 SMs (one program each) at 128 heads, top-2048 (32 blocks): B=128 gives 256 programs unsplit; B=32
     splits in two (one wave of 128 programs, 16 blocks each; three splits would be two waves of 11); B=1 splits as
@@ -121,6 +130,16 @@ def test_compiled_kernel_walks_only_the_listed_blocks():
                         T=130, topk=200, counts=[200, 1, 0, 65])
 
 
+@needs_mosaic
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1])
+def test_compiled_seesaw_schedule_equals_dense_masked_attention(splits, monkeypatch):
+    """The seesaw schedule compiled: the cases of the two tests above."""
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "SCHEDULE", "seesaw")
+    test_compiled_kernel_equals_dense_masked_attention(splits)
+    test_compiled_kernel_walks_only_the_listed_blocks()
+
+
 def interpreted(q, cache, idx, listed=None, *, num_splits):
     """The kernel in Mosaic GPU's interpreter with its race detector on (`run_race_checked`), through
     `sparse_mla_attention` as the model calls it."""
@@ -149,6 +168,22 @@ def test_interpreted_kernel_with_a_smaller_share_for_the_softmax_owner(monkeypat
     assert sparse_mla_mosaic.second_pieces() == [(192, 256), (448, 64)]
     check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=2), T=4, H=128, topk=320,
                                   num_pages=8)
+
+
+@needs_mosaic_lowering
+@on_cpu
+@pytest.mark.parametrize("lists", ["dense", "listed"])
+def test_interpreted_seesaw_schedule_equals_dense_masked_attention(lists, monkeypatch):
+    """The seesaw schedule (`_seesaw_schedule`: warpgroups owning alternate blocks, the pair's row maximum passed
+    between them, half slots published and freed on their own) as the GPU runs it: top-320 split in two (two pairs,
+    and one block walked with an empty one), and the listed counts of the owner schedule's test below."""
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "SCHEDULE", "seesaw")
+    if lists == "dense":
+        check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=2), T=4, H=128, topk=320,
+                                      num_pages=8)
+    else:
+        check_listed_counts(lambda q, c, i, n: interpreted(q, c, i, n, num_splits=2), T=6, topk=200,
+                            counts=[200, 1, 0, 65, 64, 130])
 
 
 @needs_mosaic_lowering
