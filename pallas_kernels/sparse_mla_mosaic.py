@@ -85,6 +85,7 @@ SCHEDULE = "owner"  # how the compute warpgroups split the work: `_owner_schedul
 OWNER_COLUMNS = 256  # value columns warpgroup 0 (the softmax owner) accumulates, the first ones; warpgroup 1 the rest
 OWNER_REGISTERS, SECOND_REGISTERS, PRODUCER_REGISTERS = 256, 200, 40  # a thread's, set_max_registers
 WGMMA_MAX_N = 256
+GATHER_L2_HINTS = False  # the gather's copies with L2 prefetch and evict-last hints (`_copy_with_l2_hints`)
 TILE_COLUMNS = 64  # bf16 columns of one 128-byte swizzle atom
 PIECE = 8  # bf16 values a cp.async moves (16 bytes)
 PRODUCER_THREADS = 128
@@ -199,6 +200,8 @@ def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref,
     chunk_offset = arith.addi(arith.muli(in_tile, mu.c(128, i32)),
                               arith.muli(arith.xori(lane, in_tile), mu.c(16, i32)))
 
+    policy = _evict_last_policy() if GATHER_L2_HINTS else None
+
     def copy_row(row, key):
         listed = arith.cmpi(arith.CmpIPredicate.sge, key, mu.c(0, i32))
         size = arith.select(listed, mu.c(16, i32), mu.c(0, i32))  # a −1 index: zeros
@@ -209,9 +212,9 @@ def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref,
         tile_row = arith.muli(arith.divui(row, mu.c(8, i32)), mu.c(tiles_per_row * 1024, i32))
         target = mu.getelementptr(rows, [arith.addi(tile_row, chunk_offset)], ir.IntegerType.get_signless(8))
         for tile in tiles:
-            nvvm.cp_async_shared_global(mu.getelementptr(target, [tile * 1024], ir.IntegerType.get_signless(8)),
-                                        mu.getelementptr(source, [tile * TILE_COLUMNS], ir.BF16Type.get()),
-                                        16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+            copy = _copy_with_l2_hints if GATHER_L2_HINTS else _copy
+            copy(mu.getelementptr(target, [tile * 1024], ir.IntegerType.get_signless(8)),
+                 mu.getelementptr(source, [tile * TILE_COLUMNS], ir.BF16Type.get()), size, policy)
 
     for row, key in zip(rows_of_thread, keys):
         copy_row(row, key)
@@ -226,6 +229,37 @@ def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref,
         target = mu.getelementptr(mu.memref_ptr(index_ref), [arith.muli(thread, mu.c(4, i32))], i32)
         nvvm.cp_async_shared_global(target, source, 16, nvvm.LoadCacheModifierKind.CG)
     nvvm.cp_async_commit_group()
+
+
+def _copy(target, source, size, policy):
+    """cp.async of 16 bytes (`size` 0: zeros), through L2 only (.cg): each row is read once by a program."""
+    from jaxlib.mlir.dialects import nvvm
+
+    del policy
+    nvvm.cp_async_shared_global(target, source, 16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+
+
+def _copy_with_l2_hints(target, source, size, policy):
+    """`_copy` with FlashMLA's hints: L2 prefetches the 256 bytes around the source (a row is copied in 128-byte
+    pieces, one copy instruction of the warp each), and keeps the rows with `policy` (evict last: the query's other
+    head block, running beside this one, reads them too)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm
+
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"),
+                    [llvm.ptrtoint(i32, target), llvm.ptrtoint(i64, source), size, policy],
+                    "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;", "r,l,r,l",
+                    has_side_effects=True)
+
+
+def _evict_last_policy():
+    """An L2 cache policy (createpolicy): evict the lines it covers last."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm
+
+    return llvm.inline_asm(ir.IntegerType.get_signless(64), [],
+                           "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l", has_side_effects=True)
 
 
 def _wait_for_gathers(pending: int):

@@ -5,8 +5,10 @@ stores stay). If the whole kernel takes about as long as one part, that part set
 their sum, the two do not overlap. Then the whole kernel with warpgroup 0's share of the value columns cut (it also
 computes S and the softmax, so its chain is the longer one; warpgroup 1 takes the rest): 256 (the kernel's), 192 and
 128 columns, each with the registers that leave ptxas no spills (`tools/aot_h200.py`). Last the seesaw schedule
-(`_seesaw_schedule`: each warpgroup computes S for every other block), whole and its compute alone. B = 32 / 128
-queries, top-2048, 128 heads, dsa_kernels' timing.
+(`_seesaw_schedule`: each warpgroup computes S for every other block), whole and its compute alone, and both
+schedules with FlashMLA's L2 hints on the gather's copies (`GATHER_L2_HINTS`). Each variant that computes the whole
+product gives its RMS difference from the kernel's output. B = 32 / 128 queries, top-2048, 128 heads, dsa_kernels'
+timing.
 
     PYTHONPATH=. python bench/lab/mla_mosaic_split.py        # bash bench/lab/h200_runs.sh mla_split
 """
@@ -66,7 +68,9 @@ def main():
             (f"wg0 {columns} columns", KERNEL_OPS,
              dict(OWNER_COLUMNS=columns, OWNER_REGISTERS=owner, SECOND_REGISTERS=second))
             for columns, owner, second in COLUMN_SPLITS] + [
-            ("seesaw", KERNEL_OPS, dict(SCHEDULE="seesaw")), ("seesaw compute", ComputeOnly, dict(SCHEDULE="seesaw"))]
+            ("seesaw", KERNEL_OPS, dict(SCHEDULE="seesaw")), ("seesaw compute", ComputeOnly, dict(SCHEDULE="seesaw")),
+            ("L2 hints", KERNEL_OPS, dict(GATHER_L2_HINTS=True)),
+            ("seesaw, L2 hints", KERNEL_OPS, dict(SCHEDULE="seesaw", GATHER_L2_HINTS=True))]
         for name, ops, constants in variants:
             kept = {constant: getattr(mla, constant) for constant in constants}
             mla._Compiled = ops
@@ -82,7 +86,6 @@ def main():
                     setattr(mla, constant, value)
             if ops is KERNEL_OPS and not constants:
                 reference = out.astype(jnp.float32)
-            # The variants that compute the whole product against the kernel (the parts alone compute other things).
             differs = "" if ops is not KERNEL_OPS else f"  rms difference {rms_relative_error(out, reference):.1e}"
             print(f"B={B:<4} {name:<16} {seconds * 1e3:.4f} ms  ({100 * floor / seconds:.1f}% of the byte floor)"
                   f"{differs}", flush=True)

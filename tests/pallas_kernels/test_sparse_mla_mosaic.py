@@ -39,12 +39,15 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
 
 
 @needs_mosaic_lowering
-@pytest.mark.parametrize("T, listed, splits", [(128, False, None), (1, True, None)])
-def test_seesaw_schedule_lowers_for_the_h200(T, listed, splits, monkeypatch):
-    """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off),
-    one program a query's head block and a list split over programs."""
-    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "SCHEDULE", "seesaw")
-    test_kernel_lowers_for_the_h200(T, 128, listed, splits)
+@pytest.mark.parametrize("schedule, hints", [("seesaw", False), ("seesaw", True), ("owner", True)])
+@pytest.mark.parametrize("T, listed", [(128, False), (1, True)])
+def test_schedules_and_gather_hints_lower_for_the_h200(schedule, hints, T, listed, monkeypatch):
+    """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off)
+    and the gather's L2 hints, one program a query's head block and a list split over programs."""
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", schedule)
+    monkeypatch.setattr(sparse_mla_mosaic, "GATHER_L2_HINTS", hints)
+    test_kernel_lowers_for_the_h200(T, 128, listed, None)
 
 
 def test_lists_split_to_fill_whole_waves_of_programs(monkeypatch):
