@@ -45,7 +45,7 @@ shared memory holds two: the query block 72 KiB and two row slots of 72 KiB (226
 where this kernel does 430 on the H200 at B = 128; `_seesaw_schedule`): the warpgroups own alternate blocks of a
 pair, and each half of a slot is published and freed on its own, so that the next pair's first halves are gathered
 while this pair is computed. Warpgroup 1's P needs a buffer of its own (8 KiB), which fits once Pallas' 2 KiB of
-reduction scratch is off. It passes the interpreter's tests, compiles without spills at 232 / 232 / 40 registers,
+reduction scratch is off. It passes the interpreter's tests, compiles without spills at 232 / 224 / 48 registers,
 and is not yet timed on the GPU (`bash bench/lab/h200_runs.sh mla_split` times it against this schedule).
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
@@ -619,9 +619,11 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
 # the rope columns), each gathered, published and freed on its own.
 LEFT, RIGHT = pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2)
 HALVES = 2
-# The producer's order within a pair of blocks (slot, half), FlashMLA's: each half first needed comes first.
-SEESAW_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
-SEESAW_REGISTERS = (232, 232, 40)  # warpgroup 0, 1 and the producer: 504 x 128 = the launch's 64,512
+# The half slots (slot, half) by when their last reader frees them: slot 0's first half by warpgroup 0 after its own
+# P V and slot 1's second half by warpgroup 1 after its own (mid-pair), the others after each warpgroup's P V with the
+# other's P (at the pair's end). Each warpgroup's S of the next pair starts on the half freed mid-pair.
+FREED_MID_PAIR, FREED_AT_PAIR_END = ((0, 0), (1, 1)), ((0, 1), (1, 0))
+SEESAW_REGISTERS = (232, 224, 48)  # warpgroup 0, 1 and the producer: 504 x 128 = the launch's 64,512; no spills
 
 
 def _seesaw_scratch(plgpu, tiles):
@@ -677,38 +679,36 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
             plgpu.commit_smem()
             plgpu.barrier_arrive(half(slot, part)[0])
 
-        @pl.when(pairs >= 1)
-        def _():
-            gather(0, 0, 0, program.keys_of(0, walked))
-
-        # Each half is gathered once its last reader freed it (the first pair's are free), and the half gathered
-        # before it is published once it has landed: two halves in flight.
+        # The halves go out in two groups, by when their last reader frees them (the first pair's are free): those
+        # freed mid-pair, then those freed at its end, each group published once both its halves have landed. The
+        # producer's waits block, so a half is never held landed and unpublished across the wait for a later
+        # freeing (which would hold, say, warpgroup 1's next S behind warpgroup 0's P V).
         def pair_step(pair, keys):
-            even, odd = keys  # this pair's blocks' keys; the even block's first half is already in flight
             following = (program.keys_of(2 * pair + 2, walked), program.keys_of(2 * pair + 3, walked))
-            previous = SEESAW_ORDER[0]
-            for slot, part in SEESAW_ORDER[1:]:
-                @pl.when(pair > 0)
-                def _():
-                    plgpu.barrier_wait(half(slot, part)[1])
+            for group in (FREED_MID_PAIR, FREED_AT_PAIR_END):
+                for slot, part in group:
+                    @pl.when(pair > 0)
+                    def _():
+                        plgpu.barrier_wait(half(slot, part)[1])
 
-                gather(slot, part, 2 * pair + slot, (even, odd)[slot])
-                ops.wait_for_gathers(1)
-                publish(*previous)
-                previous = (slot, part)
+                    gather(slot, part, 2 * pair + slot, keys[slot])
 
-            @pl.when(pair + 1 < pairs)
+                if group is FREED_MID_PAIR:  # the first pair's: left in flight beside the other group
+                    @pl.when(pair > 0)
+                    def _():
+                        ops.wait_for_gathers(0)
+                        for slot, part in group:
+                            publish(slot, part)
+
+            @pl.when(pair == 0)
             def _():
-                plgpu.barrier_wait(half(0, 0)[1])
-                gather(0, 0, 2 * pair + 2, following[0])
-                ops.wait_for_gathers(1)
-                publish(*previous)
+                ops.wait_for_gathers(len(FREED_AT_PAIR_END))
+                for slot, part in FREED_MID_PAIR:
+                    publish(slot, part)
 
-            @pl.when(pair + 1 == pairs)
-            def _():
-                ops.wait_for_gathers(0)
-                publish(*previous)
-
+            ops.wait_for_gathers(0)
+            for slot, part in FREED_AT_PAIR_END:
+                publish(slot, part)
             return following
 
         lax.fori_loop(0, pairs, pair_step, (program.keys_of(0, walked), program.keys_of(1, walked)))
@@ -716,7 +716,7 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
         # The last pair's freeings, waited for so that every waiter observes every phase (see `_owner_schedule`).
         @pl.when(pairs >= 1)
         def _():
-            for slot, part in SEESAW_ORDER:
+            for slot, part in FREED_MID_PAIR + FREED_AT_PAIR_END:
                 plgpu.barrier_wait(half(slot, part)[1])
 
     def softmax_state():
