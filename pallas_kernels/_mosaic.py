@@ -96,6 +96,21 @@ class CompiledOps:
 
         return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
 
+    def matmul_transposed_sum(self, parts):
+        """The sum of a_ref @ b_ref.T over `parts` [(before, a_ref, b_ref)], each issued to the tensor cores once
+        `before()` returns (a barrier wait: its operands have landed) and without waiting for the previous ones;
+        returns when the tensor cores are done reading them all."""
+        plgpu = self.plgpu
+
+        def product(acc_ref):
+            for before, a_ref, b_ref in parts:
+                before()
+                plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
+            return acc_ref[...]
+
+        _, a_ref, b_ref = parts[0]
+        return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
+
     def accumulate(self, acc, a, b_ref):
         """acc + a @ b_ref (wgmma), `a` in registers or shared memory; returns when the tensor cores are done reading
         them."""
@@ -117,6 +132,13 @@ class InterpretedOps:
         product = lax.dot_general(a_ref[...].astype(jnp.float32), b_ref[...].astype(jnp.float32),
                                   (((1,), (1,)), ((), ())))
         return product if acc is None else acc + product
+
+    def matmul_transposed_sum(self, parts):
+        total = None
+        for before, a_ref, b_ref in parts:
+            before()
+            total = self.matmul_transposed(a_ref, b_ref, total)
+        return total
 
     def accumulate(self, acc, a, b_ref):
         a = a if isinstance(a, jax.Array) else a[...]

@@ -444,13 +444,14 @@ class _Program:
         return jnp.where(lax.broadcast_in_dim(counts, s.shape, [1]), s * self.scale_log2, -jnp.inf)
 
     def rows_vector(self, value):
+        """`value` ([64]) in the layout of S's rows (a value a head)."""
         return self.ops.with_layout(value, self.plgpu.Layout.WGMMA.reduce(1))
 
     def load_rows_vector(self, ref):
         return self.ops.load(ref, self.plgpu.Layout.WGMMA.reduce(1))
 
     def finish(self, acc, total, columns):
-        """Normalise this warpgroup's output columns and store them (and, split, the log-sum-exp)."""
+        """Normalise this warpgroup's output columns and store them."""
         some = total > 0
         out = _rescale(acc, jnp.where(some, 1.0 / jnp.where(some, total, 1.0), 0.0))
         self.out_gmem[self.t, self.split, self.heads, columns] = out.astype(self.out_gmem.dtype)
@@ -725,12 +726,13 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
                 program.rows_vector(jnp.zeros((HEADS,), jnp.float32)))
 
     def scores(slot, block, parts, zero):
-        """The slot's block's masked S, over its halves in `parts`' order (each waited for)."""
-        s = None
-        for part in parts:
-            plgpu.barrier_wait(half(slot, part)[0])
+        """The slot's block's masked S, over its halves in `parts`' order, each issued once it has landed."""
+        def product(part):
             columns = (LEFT, RIGHT)[part]
-            s = ops.matmul_transposed(q_smem.at[zero, :, columns], rows_smem.at[slot + zero, :, columns], s)
+            return (lambda: plgpu.barrier_wait(half(slot, part)[0]), q_smem.at[zero, :, columns],
+                    rows_smem.at[slot + zero, :, columns])
+
+        s = ops.matmul_transposed_sum([product(part) for part in parts])
         return program.masked_scores(s, index_smem.at[slot], block)
 
     def finish(acc, m, total, wg_index):
