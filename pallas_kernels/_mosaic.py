@@ -111,6 +111,22 @@ class CompiledOps:
         _, a_ref, b_ref = parts[0]
         return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
 
+    def accumulate_sum(self, acc, parts):
+        """acc + the sum of a_ref @ b_ref over `parts` [(before, a_ref, b_ref, after)], both operands in shared
+        memory (a register operand would be free for reuse while its wgmma still reads it): each issued once
+        `before()` returns, without waiting for the previous ones, and `after()` called once it is done."""
+        plgpu = self.plgpu
+
+        def body(acc_ref):
+            for before, a_ref, b_ref, _ in parts:
+                before()
+                plgpu.wgmma(acc_ref, a_ref, b_ref)
+            for done, (*_, after) in enumerate(parts, 1):
+                plgpu.wgmma_wait(len(parts) - done)
+                after()
+
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+
     def accumulate(self, acc, a, b_ref):
         """acc + a @ b_ref (wgmma), `a` in registers or shared memory; returns when the tensor cores are done reading
         them."""
@@ -139,6 +155,13 @@ class InterpretedOps:
             before()
             total = self.matmul_transposed(a_ref, b_ref, total)
         return total
+
+    def accumulate_sum(self, acc, parts):
+        for before, a_ref, b_ref, after in parts:
+            before()
+            acc = self.accumulate(acc, a_ref, b_ref)
+            after()
+        return acc
 
     def accumulate(self, acc, a, b_ref):
         a = a if isinstance(a, jax.Array) else a[...]

@@ -800,16 +800,20 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
             alpha = jnp.exp2(m - m1_safe)
             p = jnp.exp2(s - lax.broadcast_in_dim(m1_safe, s.shape, [0]))
             total = total * alpha + p.sum(axis=1)
-            p16 = p.astype(jnp.bfloat16)
-            p_odd_smem[0] = p16
+            p_odd_smem[0] = p.astype(jnp.bfloat16)
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[1])
-            acc = ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[1 + zero, :, second])
-            plgpu.barrier_arrive(half(1, 1)[1])
-            plgpu.barrier_wait(half(0, 1)[0])
-            plgpu.barrier_wait(p_ready.at[0])
-            acc = ops.accumulate(acc, rows_smem.at[zero, :, pl.ds(LATENT, BLOCK_KEYS)], rows_smem.at[zero, :, second])
-            plgpu.barrier_arrive(half(0, 1)[1])
+
+            def wait_for_even_p():
+                plgpu.barrier_wait(half(0, 1)[0])
+                plgpu.barrier_wait(p_ready.at[0])
+
+            # Both products back to back, P from shared memory for both: the tensor cores do not drain between them.
+            acc = ops.accumulate_sum(_rescale(acc, alpha), [
+                (lambda: None, p_odd_smem.at[zero], rows_smem.at[1 + zero, :, second],
+                 lambda: plgpu.barrier_arrive(half(1, 1)[1])),
+                (wait_for_even_p, rows_smem.at[zero, :, pl.ds(LATENT, BLOCK_KEYS)], rows_smem.at[zero, :, second],
+                 lambda: plgpu.barrier_arrive(half(0, 1)[1]))])
             return acc, m1, total
 
         acc, m, total = lax.fori_loop(0, pairs, pair_step, softmax_state())
