@@ -113,7 +113,8 @@ class CompiledOps:
 
     def accumulate_sum(self, acc, parts):
         """acc + the sum of a_ref @ b_ref over `parts` [(before, a_ref, b_ref, after)], both operands in shared
-        memory (a register operand would be free for reuse while its wgmma still reads it): each issued once
+        memory (a register operand must stay untouched until its wgmma is done, which ptxas may enforce by
+        serialising the wgmmas): each issued once
         `before()` returns, without waiting for the previous ones, and `after()` called once it is done."""
         plgpu = self.plgpu
 
