@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_mosaic_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_mosaic_engine|mla_schedule_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -196,6 +196,17 @@ for what in "$@"; do
           --log "$OUT/mla_mosaic.log" 2>&1 | grep -v Warning | grep -i "check\|B=\|mosaic\|error" | tail -30 ;;
     mla_mosaic_engine) for kernel in triton mosaic; do echo "--- JAXMODELS_SPARSE_MLA_KERNEL=$kernel"
           JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 120 python3 -m jaxmodels bench --no-progress \
+            --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
+            2>&1 | grep -A4 "| B |"; done ;;
+    # DeepSeek 4-layer decode at B=32/128 on the Triton kernel and on each schedule of the Mosaic one (its
+    # SCHEDULE set before the engine is built; MLA_SCHEDULES, default owner and seesaw), one process each.
+    mla_schedule_engine) for schedule in triton ${MLA_SCHEDULES:-owner seesaw}; do echo "--- $schedule"
+          kernel=mosaic; [ "$schedule" = triton ] && kernel=triton
+          JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 150 python3 -c "import runpy, sys
+import pallas_kernels.sparse_mla_mosaic as mla
+mla.SCHEDULE = sys.argv[1] if sys.argv[1] != 'triton' else mla.SCHEDULE
+sys.argv = ['jaxmodels'] + sys.argv[2:]
+runpy.run_module('jaxmodels', run_name='__main__')" "$schedule" bench --no-progress \
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
             2>&1 | grep -A4 "| B |"; done ;;
     # The kernel's time split (whole, compute alone, gathers alone) and warpgroup 0's column share (bench/lab/mla_mosaic_split.py).
