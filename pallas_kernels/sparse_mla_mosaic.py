@@ -472,6 +472,15 @@ def _safe_max(m):
     return jnp.where(m == -jnp.inf, 0.0, m)
 
 
+def _online_softmax(s, m, m_new, total):
+    """The online softmax's step to the row maximum m_new from m: P = exp2(S - m_new), the factor that rescales
+    what was summed at m, and the row sums with P's added."""
+    m_safe = _safe_max(m_new)
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    return p, alpha, total * alpha + p.sum(axis=1)
+
+
 def _owner_scratch(plgpu, tiles):
     return (plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiles),
             plgpu.SMEM((SLOTS, BLOCK_KEYS, WIDTH), jnp.bfloat16, transforms=tiles),
@@ -569,10 +578,7 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
             plgpu.barrier_wait(rows_ready.at[slot])
             s = program.masked_scores(ops.matmul_transposed(q_smem, rows_smem.at[slot]), index_smem.at[slot], block)
             m_new = jnp.maximum(m, s.max(axis=1))
-            m_safe = _safe_max(m_new)
-            alpha = jnp.exp2(m - m_safe)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            total = total * alpha + p.sum(axis=1)
+            p, alpha, total = _online_softmax(s, m, m_new, total)
             p16 = p.astype(jnp.bfloat16)
             # P goes where the slot's rope columns were (read by S only, which is done): no buffer of its own,
             # and the slot is refilled only once both warpgroups are done with it.
@@ -735,6 +741,12 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
         s = ops.matmul_transposed_sum([product(part) for part in parts])
         return program.masked_scores(s, index_smem.at[slot], block)
 
+    def publish_max(m_new, slot):
+        """The row maximum so far, to the other warpgroup (stats[0])."""
+        stats_smem[0] = m_new
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(max_ready.at[slot])
+
     def finish(acc, m, total, wg_index):
         stats_smem[1 + wg_index] = total
         plgpu.commit_smem()
@@ -756,13 +768,8 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
             zero = pair_zero(pair)
             s = scores(0, 2 * pair, (0, 1), zero)
             m0 = jnp.maximum(m, s.max(axis=1))
-            stats_smem[0] = m0
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(max_ready.at[0])
-            m0_safe = _safe_max(m0)
-            alpha = jnp.exp2(m - m0_safe)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m0_safe, s.shape, [0]))
-            total = total * alpha + p.sum(axis=1)
+            publish_max(m0, 0)
+            p, alpha, total = _online_softmax(s, m, m0, total)
             acc = ops.accumulate(_rescale(acc, alpha), p.astype(jnp.bfloat16), rows_smem.at[zero, :, LEFT])
             plgpu.barrier_arrive(half(0, 0)[1])
             # The pair's maximum, then this block's P at it, for warpgroup 1 (where slot 0's rope columns were).
@@ -793,13 +800,8 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
             s = scores(1, 2 * pair + 1, (1, 0), zero)
             plgpu.barrier_wait(max_ready.at[0])
             m1 = jnp.maximum(program.load_rows_vector(stats_smem.at[0]), s.max(axis=1))
-            stats_smem[0] = m1
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(max_ready.at[1])
-            m1_safe = _safe_max(m1)
-            alpha = jnp.exp2(m - m1_safe)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m1_safe, s.shape, [0]))
-            total = total * alpha + p.sum(axis=1)
+            publish_max(m1, 1)
+            p, alpha, total = _online_softmax(s, m, m1, total)
             p_odd_smem[0] = p.astype(jnp.bfloat16)
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[1])
