@@ -233,7 +233,7 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/lab/ncu_sparse_mla.py
           "$OUT/mla_ncu_sections.log" "$OUT/mla_ncu_metrics.log" | cut -c1-200 | head -150 ;;
     # The SASS of the same launches with per-instruction counters (ncu's source page): which tensor-core path the
     # dots took (HGMMA = wgmma, HMMA = mma.sync) and the shared / local memory instructions, counted per launch.
-    mla_ncu_mosaic) NCU_KERNEL=mosaic NCU_ARGS=--mosaic bash "$0" mla_ncu ;;
+    mla_ncu_mosaic) NCU_KERNEL=mosaic NCU_ARGS=--mosaic bash "$0" mla_ncu ;;  # launch 1: the owner schedule, 2: the seesaw
     mla_sass) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
         timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SourceCounters --page source \

@@ -15,6 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels.sparse_mla_mosaic as mla
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_pallas
 
 VARIANTS = [
@@ -30,9 +31,12 @@ def main():
     q = jax.random.normal(jax.random.key(1), (B, H, 576)).astype(jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(2), (B, k), 0, rows).astype(jnp.int32)
     compiled = []
-    # --mosaic: the Mosaic GPU kernel (sparse_mla_mosaic) alone.
-    variants = [dict(impl="mosaic")] if "--mosaic" in sys.argv else VARIANTS
+    # --mosaic: the Mosaic GPU kernel (sparse_mla_mosaic) alone, on each of its schedules.
+    variants = [dict(impl="mosaic", schedule=schedule) for schedule in ("owner", "seesaw")] if "--mosaic" in sys.argv \
+        else VARIANTS
     for opts in variants:
+        opts = dict(opts)
+        mla.SCHEDULE = opts.pop("schedule", "owner")  # read when the kernel is traced
         kernel = sparse_mla_attention if opts.get("impl") == "mosaic" else sparse_mla_attention_pallas
         f = jax.jit(lambda q, c, i, opts=opts, kernel=kernel: kernel(q, c, i, scale=0.04, **opts))
         compiled.append(f.lower(q, cache, idx).compile())
