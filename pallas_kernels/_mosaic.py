@@ -82,19 +82,10 @@ class CompiledOps:
     def load(self, ref, layout):
         return load_with_layout(ref, layout)
 
-    def matmul_transposed(self, a_ref, b_ref, acc=None):
-        """a_ref @ b_ref.T in float32 on the tensor cores (wgmma), both operands in shared memory, added to `acc` if
-        given; returns when the tensor cores are done reading them."""
-        plgpu = self.plgpu
-        if acc is not None:
-            return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0))))(
-                plgpu.ACC.init(acc))
-
-        def product(acc_ref):
-            plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
-            return acc_ref[...]  # reading the accumulator waits for the wgmma
-
-        return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
+    def matmul_transposed(self, a_ref, b_ref):
+        """a_ref @ b_ref.T in float32 on the tensor cores (wgmma), both operands in shared memory; returns when the
+        tensor cores are done reading them."""
+        return self.matmul_transposed_sum([(lambda: None, a_ref, b_ref)])
 
     def matmul_transposed_sum(self, parts):
         """The sum of a_ref @ b_ref.T over `parts` [(before, a_ref, b_ref)], each issued to the tensor cores once
@@ -106,16 +97,16 @@ class CompiledOps:
             for before, a_ref, b_ref in parts:
                 before()
                 plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
-            return acc_ref[...]
+            return acc_ref[...]  # reading the accumulator waits for the wgmmas
 
         _, a_ref, b_ref = parts[0]
         return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
 
     def accumulate_sum(self, acc, parts):
-        """acc + the sum of a_ref @ b_ref over `parts` [(before, a_ref, b_ref, after)], both operands in shared
-        memory (a register operand must stay untouched until its wgmma is done, which ptxas may enforce by
-        serialising the wgmmas): each issued once
-        `before()` returns, without waiting for the previous ones, and `after()` called once it is done."""
+        """acc + the sum of a_ref @ b_ref over `parts` [(before, a_ref, b_ref, after)]: each issued once `before()`
+        returns, without waiting for the previous ones, and `after()` called once it is done. Both operands in shared
+        memory: a register operand must stay untouched until its wgmma is done, which ptxas may enforce by
+        serialising the wgmmas."""
         plgpu = self.plgpu
 
         def body(acc_ref):
@@ -145,16 +136,15 @@ class InterpretedOps:
     def load(self, ref, layout):
         return ref[...]
 
-    def matmul_transposed(self, a_ref, b_ref, acc=None):
-        product = lax.dot_general(a_ref[...].astype(jnp.float32), b_ref[...].astype(jnp.float32),
-                                  (((1,), (1,)), ((), ())))
-        return product if acc is None else acc + product
+    def matmul_transposed(self, a_ref, b_ref):
+        return lax.dot_general(a_ref[...].astype(jnp.float32), b_ref[...].astype(jnp.float32),
+                               (((1,), (1,)), ((), ())))
 
     def matmul_transposed_sum(self, parts):
-        total = None
+        total = 0.0
         for before, a_ref, b_ref in parts:
             before()
-            total = self.matmul_transposed(a_ref, b_ref, total)
+            total = total + self.matmul_transposed(a_ref, b_ref)
         return total
 
     def accumulate_sum(self, acc, parts):

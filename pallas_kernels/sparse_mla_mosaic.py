@@ -86,6 +86,7 @@ OWNER_COLUMNS = 256  # value columns warpgroup 0 (the softmax owner) accumulates
 OWNER_REGISTERS, SECOND_REGISTERS, PRODUCER_REGISTERS = 256, 200, 40  # a thread's, set_max_registers
 WGMMA_MAX_N = 256
 GATHER_L2_HINTS = False  # the gather's copies with L2 prefetch and evict-last hints (`_copy_with_l2_hints`)
+P_COLUMNS = pl.ds(LATENT, WIDTH - LATENT)  # a slot's rope columns, where P ([64 heads, 64 keys]) goes after S
 TILE_COLUMNS = 64  # bf16 columns of one 128-byte swizzle atom
 PIECE = 8  # bf16 values a cp.async moves (16 bytes)
 PRODUCER_THREADS = 128
@@ -582,7 +583,7 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
             p16 = p.astype(jnp.bfloat16)
             # P goes where the slot's rope columns were (read by S only, which is done): no buffer of its own,
             # and the slot is refilled only once both warpgroups are done with it.
-            rows_smem[slot, :, pl.ds(LATENT, BLOCK_KEYS)] = p16
+            rows_smem[slot, :, P_COLUMNS] = p16
             alpha_smem[slot] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[slot])
@@ -609,7 +610,7 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
             plgpu.barrier_wait(rows_ready.at[slot])
             plgpu.barrier_wait(p_ready.at[slot])
             alpha = program.load_rows_vector(alpha_smem.at[slot])
-            p16 = rows_smem.at[slot, :, pl.ds(LATENT, BLOCK_KEYS)]
+            p16 = rows_smem.at[slot, :, P_COLUMNS]
             accs = tuple(ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(start, width)])
                          for acc, (start, width) in zip(accs, pieces))
             plgpu.barrier_arrive(rows_free.at[slot])
@@ -623,9 +624,10 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
 
 
 # The seesaw's half slots: the first 256 columns of a slot's rows (V's first half) and the rest (V's second half and
-# the rope columns), each gathered, published and freed on its own.
-LEFT, RIGHT = pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2)
-HALVES = 2
+# the rope columns), each gathered, published and freed on its own; and each warpgroup's half of V (and of O).
+HALF_SLOTS = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2))
+HALVES = len(HALF_SLOTS)
+V_HALVES = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, LATENT // 2))
 # The half slots (slot, half) by when their last reader frees them: slot 0's first half by warpgroup 0 after its own
 # P V and slot 1's second half by warpgroup 1 after its own (mid-pair), the others after each warpgroup's P V with the
 # other's P (at the pair's end). Each warpgroup's S of the next pair starts on the half freed mid-pair.
@@ -680,7 +682,7 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
         def gather(slot, part, block, keys):
             # A slot's indices come with its second half, which S waits for last.
             program.gather(block, keys, rows_smem.at[slot], index_smem.at[slot] if part else None,
-                           (LEFT, RIGHT)[part])
+                           HALF_SLOTS[part])
 
         def publish(slot, part):
             plgpu.commit_smem()
@@ -734,7 +736,7 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
     def scores(slot, block, parts, zero):
         """The slot's block's masked S, over its halves in `parts`' order, each issued once it has landed."""
         def product(part):
-            columns = (LEFT, RIGHT)[part]
+            columns = HALF_SLOTS[part]
             return (lambda: plgpu.barrier_wait(half(slot, part)[0]), q_smem.at[zero, :, columns],
                     rows_smem.at[slot + zero, :, columns])
 
@@ -753,7 +755,7 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
         plgpu.barrier_arrive(sums_ready)
         plgpu.barrier_wait(sums_ready)
         total = program.load_rows_vector(stats_smem.at[1]) + program.load_rows_vector(stats_smem.at[2])
-        program.finish(acc, total, (LEFT, pl.ds(LATENT // 2, LATENT // 2))[wg_index])
+        program.finish(acc, total, V_HALVES[wg_index])
         if wg_index == 0:
             program.store_lse(m, total)
 
@@ -770,18 +772,18 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
             m0 = jnp.maximum(m, s.max(axis=1))
             publish_max(m0, 0)
             p, alpha, total = _online_softmax(s, m, m0, total)
-            acc = ops.accumulate(_rescale(acc, alpha), p.astype(jnp.bfloat16), rows_smem.at[zero, :, LEFT])
+            acc = ops.accumulate(_rescale(acc, alpha), p.astype(jnp.bfloat16), rows_smem.at[zero, :, V_HALVES[0]])
             plgpu.barrier_arrive(half(0, 0)[1])
             # The pair's maximum, then this block's P at it, for warpgroup 1 (where slot 0's rope columns were).
             plgpu.barrier_wait(max_ready.at[1])
             m1 = program.load_rows_vector(stats_smem.at[0])
             beta = jnp.exp2(m0 - _safe_max(m1))
-            rows_smem[0, :, pl.ds(LATENT, BLOCK_KEYS)] = _rescale(p, beta).astype(jnp.bfloat16)
+            rows_smem[0, :, P_COLUMNS] = _rescale(p, beta).astype(jnp.bfloat16)
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[0])
             plgpu.barrier_wait(half(1, 0)[0])
             plgpu.barrier_wait(p_ready.at[1])
-            acc = ops.accumulate(_rescale(acc, beta), p_odd_smem.at[zero], rows_smem.at[1 + zero, :, LEFT])
+            acc = ops.accumulate(_rescale(acc, beta), p_odd_smem.at[zero], rows_smem.at[1 + zero, :, V_HALVES[0]])
             plgpu.barrier_arrive(half(1, 0)[1])
             return acc, m1, total * beta
 
@@ -792,7 +794,7 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
     def _odd_blocks():
         plgpu.set_max_registers(SEESAW_REGISTERS[1], action="increase")
         plgpu.barrier_wait(q_ready)
-        second = pl.ds(LATENT // 2, LATENT // 2)
+        second = V_HALVES[1]
 
         def pair_step(pair, carry):
             acc, m, total = carry
@@ -814,7 +816,7 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
             acc = ops.accumulate_sum(_rescale(acc, alpha), [
                 (lambda: None, p_odd_smem.at[zero], rows_smem.at[1 + zero, :, second],
                  lambda: plgpu.barrier_arrive(half(1, 1)[1])),
-                (wait_for_even_p, rows_smem.at[zero, :, pl.ds(LATENT, BLOCK_KEYS)], rows_smem.at[zero, :, second],
+                (wait_for_even_p, rows_smem.at[zero, :, P_COLUMNS], rows_smem.at[zero, :, second],
                  lambda: plgpu.barrier_arrive(half(0, 1)[1]))])
             return acc, m1, total
 
