@@ -119,6 +119,30 @@ class CompiledOps:
 
         return pl.run_state(body)(plgpu.ACC.init(acc))
 
+    def accumulate_then_matmul_transposed(self, acc, product, parts):
+        """(acc + a_ref @ b_ref, the sum of c_ref @ d_ref.T over `parts`), for a product (before, a_ref, b_ref,
+        after) and parts [(before, c_ref, d_ref)], all in shared memory: the product goes to the tensor cores first,
+        then each part once its `before()` returns, none waiting for the ones before; the product's `after()` is
+        called once it is done, with the first part in flight. The next block's S behind this block's last P V:
+        the tensor cores do not drain between them. Returns when all are done."""
+        plgpu = self.plgpu
+        before, a_ref, b_ref, after = product
+        _, c_ref, d_ref = parts[0]
+
+        def body(refs):
+            acc_ref, sum_ref = refs
+            before()
+            plgpu.wgmma(acc_ref, a_ref, b_ref)
+            for index, (part_before, part_a, part_b) in enumerate(parts):
+                part_before()
+                plgpu.wgmma(sum_ref, part_a, part_b.transpose((1, 0)))
+                if index == 0:
+                    plgpu.wgmma_wait(1)  # the product's group, issued first, is done
+                    after()
+
+        zeros = self.with_layout(jnp.zeros((c_ref.shape[0], d_ref.shape[0]), jnp.float32), plgpu.Layout.WGMMA)
+        return pl.run_state(body)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
+
     def accumulate(self, acc, a, b_ref):
         """acc + a @ b_ref (wgmma), `a` in registers or shared memory; returns when the tensor cores are done reading
         them."""
@@ -153,6 +177,18 @@ class InterpretedOps:
             acc = self.accumulate(acc, a_ref, b_ref)
             after()
         return acc
+
+    def accumulate_then_matmul_transposed(self, acc, product, parts):
+        before, a_ref, b_ref, after = product
+        before()
+        acc = self.accumulate(acc, a_ref, b_ref)
+        total = 0.0
+        for index, (part_before, part_a, part_b) in enumerate(parts):
+            part_before()
+            total = total + self.matmul_transposed(part_a, part_b)
+            if index == 0:
+                after()
+        return acc, total
 
     def accumulate(self, acc, a, b_ref):
         a = a if isinstance(a, jax.Array) else a[...]

@@ -45,8 +45,10 @@ shared memory holds two: the query block 72 KiB and two row slots of 72 KiB (226
 where this kernel does 430 on the H200 at B = 128; `_seesaw_schedule`): the warpgroups own alternate blocks of a
 pair, and each half of a slot is published and freed on its own, so that the next pair's first halves are gathered
 while this pair is computed. Warpgroup 1's P needs a buffer of its own (8 KiB), which fits once Pallas' 2 KiB of
-reduction scratch is off. It passes the interpreter's tests, compiles without spills at 232 / 224 / 48 registers,
-and is not yet timed on the GPU (`bash bench/lab/h200_runs.sh mla_split` times it against this schedule).
+reduction scratch is off. As in FlashMLA, warpgroup 0 issues the next pair's S behind its last P V of a pair, so
+that the tensor cores do not drain between them (`SEESAW_EARLY_S`). It passes the interpreter's tests, compiles
+with no spills in the compute warpgroups at 232 / 232 / 40 registers, and is not yet timed on the GPU (`bash
+bench/lab/h200_runs.sh mla_split` times it against this schedule, and without the early S).
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
 (`tools/aot_h200.py`) then reports 28 bytes of spills, where 232 each spilled 136 (warpgroup 0's loop-invariant
@@ -632,7 +634,13 @@ V_HALVES = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, LATENT // 2))
 # P V and slot 1's second half by warpgroup 1 after its own (mid-pair), the others after each warpgroup's P V with the
 # other's P (at the pair's end). Each warpgroup's S of the next pair starts on the half freed mid-pair.
 FREED_MID_PAIR, FREED_AT_PAIR_END = ((0, 0), (1, 1)), ((0, 1), (1, 0))
-SEESAW_REGISTERS = (232, 224, 48)  # warpgroup 0, 1 and the producer: 504 x 128 = the launch's 64,512; no spills
+# Warpgroup 0, 1 and the producer: 504 x 128 = the launch's 64,512. ptxas spills 20 bytes in the producer (5 values
+# of its loop), none in the compute warpgroups; at (232, 224, 48) it spilled 52 bytes there (`tools/aot_h200.py
+# --set SCHEDULE=seesaw`).
+SEESAW_REGISTERS = (232, 232, 40)
+# Warpgroup 0 issues the next pair's S behind its last P V of a pair, as FlashMLA does, rather than at the top of the
+# next pair (`_seesaw_schedule`).
+SEESAW_EARLY_S = True
 
 
 def _seesaw_scratch(plgpu, tiles):
@@ -660,8 +668,12 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
     freed by its last reader, so that the next pair's first halves are gathered while this pair is computed."""
     half_ready, half_free, max_ready, p_ready, q_ready, sums_ready = barriers
     ops, plgpu = program.ops, program.plgpu
-    pairs = (program.blocks + 1) // 2
-    walked = 2 * pairs  # an odd last block is walked with a block of no keys (the lists are padded to pairs)
+    # An odd last block is walked with a block of no keys (the lists are padded to pairs), and a split with no keys
+    # walks one pair of them (all masked: zeros out, as with none walked), so that warpgroup 0's last pair, which
+    # issues no next S, is always there. Written so, not as a maximum with 1: knowing the loops run at least once,
+    # LLVM moved values out of them and ptxas spilled 48 bytes in the compute warpgroups.
+    pairs = (program.blocks + 1) // 2 + (program.blocks == 0)
+    walked = 2 * pairs
     wg = program.wg()
 
     def half(slot, part):
@@ -723,24 +735,27 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
         lax.fori_loop(0, pairs, pair_step, (program.keys_of(0, walked), program.keys_of(1, walked)))
 
         # The last pair's freeings, waited for so that every waiter observes every phase (see `_owner_schedule`).
-        @pl.when(pairs >= 1)
-        def _():
-            for slot, part in FREED_MID_PAIR + FREED_AT_PAIR_END:
-                plgpu.barrier_wait(half(slot, part)[1])
+        for slot, part in FREED_MID_PAIR + FREED_AT_PAIR_END:
+            plgpu.barrier_wait(half(slot, part)[1])
 
     def softmax_state():
         return (ops.with_layout(jnp.zeros((HEADS, LATENT // 2), jnp.float32), plgpu.Layout.WGMMA),
                 program.rows_vector(jnp.full((HEADS,), -jnp.inf, jnp.float32)),
                 program.rows_vector(jnp.zeros((HEADS,), jnp.float32)))
 
-    def scores(slot, block, parts, zero):
-        """The slot's block's masked S, over its halves in `parts`' order, each issued once it has landed."""
+    def score_parts(slot, parts, zero):
+        """The products that sum to the slot's S, over its halves in `parts`' order, each issued once it has
+        landed."""
         def product(part):
             columns = HALF_SLOTS[part]
             return (lambda: plgpu.barrier_wait(half(slot, part)[0]), q_smem.at[zero, :, columns],
                     rows_smem.at[slot + zero, :, columns])
 
-        s = ops.matmul_transposed_sum([product(part) for part in parts])
+        return [product(part) for part in parts]
+
+    def scores(slot, block, parts, zero):
+        """The slot's block's masked S."""
+        s = ops.matmul_transposed_sum(score_parts(slot, parts, zero))
         return program.masked_scores(s, index_smem.at[slot], block)
 
     def publish_max(m_new, slot):
@@ -765,10 +780,15 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
         plgpu.copy_gmem_to_smem(program.q_gmem.at[program.t, program.heads], q_smem.at[0], q_ready)
         plgpu.barrier_wait(q_ready)
 
-        def pair_step(pair, carry):
-            acc, m, total = carry
+        def pair_step(pair, carry, *, s_carried: bool, issue_next: bool):
+            """A pair. `s_carried`: the carry's last item is this pair's S (unmasked); `issue_next`: the next pair's
+            comes back there (else None)."""
+            acc, m, total, s = carry
             zero = pair_zero(pair)
-            s = scores(0, 2 * pair, (0, 1), zero)
+            if s_carried:
+                s = program.masked_scores(s, index_smem.at[0], 2 * pair)
+            else:
+                s = scores(0, 2 * pair, (0, 1), zero)
             m0 = jnp.maximum(m, s.max(axis=1))
             publish_max(m0, 0)
             p, alpha, total = _online_softmax(s, m, m0, total)
@@ -781,13 +801,33 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
             rows_smem[0, :, P_COLUMNS] = _rescale(p, beta).astype(jnp.bfloat16)
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[0])
-            plgpu.barrier_wait(half(1, 0)[0])
-            plgpu.barrier_wait(p_ready.at[1])
-            acc = ops.accumulate(_rescale(acc, beta), p_odd_smem.at[zero], rows_smem.at[1 + zero, :, V_HALVES[0]])
-            plgpu.barrier_arrive(half(1, 0)[1])
-            return acc, m1, total * beta
 
-        acc, m, total = lax.fori_loop(0, pairs, pair_step, softmax_state())
+            def wait_for_odd_p():
+                plgpu.barrier_wait(half(1, 0)[0])
+                plgpu.barrier_wait(p_ready.at[1])
+
+            odd_product = (wait_for_odd_p, p_odd_smem.at[zero], rows_smem.at[1 + zero, :, V_HALVES[0]],
+                           lambda: plgpu.barrier_arrive(half(1, 0)[1]))
+            if issue_next:
+                # The next pair's S goes to the tensor cores behind this P V: its first half has been gathered
+                # since mid-pair; its second comes with the half this P V frees (FREED_AT_PAIR_END).
+                acc, s = ops.accumulate_then_matmul_transposed(_rescale(acc, beta), odd_product,
+                                                               score_parts(0, (0, 1), pair_zero(pair + 1)))
+            else:
+                acc, s = ops.accumulate_sum(_rescale(acc, beta), [odd_product]), None
+            return acc, m1, total * beta, s
+
+        if SEESAW_EARLY_S:
+            # The first pair's S before the loop, the last pair without a next one after it.
+            first_s = ops.matmul_transposed_sum(score_parts(0, (0, 1), pair_zero(0)))
+            carry = lax.fori_loop(0, pairs - 1,
+                                  lambda pair, carry: pair_step(pair, carry, s_carried=True, issue_next=True),
+                                  softmax_state() + (first_s,))
+            acc, m, total, _ = pair_step(pairs - 1, carry, s_carried=True, issue_next=False)
+        else:
+            acc, m, total = lax.fori_loop(
+                0, pairs, lambda pair, carry: pair_step(pair, carry + (None,), s_carried=False, issue_next=False)[:3],
+                softmax_state())
         finish(acc, m, total, 0)
 
     @pl.when(wg == 1)

@@ -3,9 +3,9 @@
 Markers: `gpu` tests need a CUDA GPU and skip elsewhere; `cpu_only` tests check CPU-only behaviour (e.g. that a CPU
 reports no device memory) and skip on a GPU machine; `slow` tests take tens of seconds each on the 2-core CPU (the
 simulated-mesh subprocesses, the demo, prompts of thousands of tokens): they run first (`-m "not slow"` leaves them
-out), so that under xdist the last tests to finish are short ones and both workers end together. The models set their own matmul precision (float32 models run
-float32 dots everywhere, jaxmodels.precision), so no global precision flag is set here: the GPU run of the parity
-tests checks exactly what users get.
+out), so that under xdist the last tests to finish are short ones and both workers end together. The models set
+their own matmul precision (float32 models run float32 dots everywhere, jaxmodels.precision), so no global precision
+flag is set here: the GPU run of the parity tests checks exactly what users get.
 """
 
 import gc

@@ -210,7 +210,7 @@ runpy.run_module('jaxmodels', run_name='__main__')" "$schedule" bench --no-progr
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
             2>&1 | grep -A4 "| B |"; done ;;
     # The kernel's time split (whole, compute alone, gathers alone) and warpgroup 0's column share (bench/lab/mla_mosaic_split.py).
-    mla_split) timeout 420 python3 bench/lab/mla_mosaic_split.py 2>&1 | grep -v Warning | tail -20 ;;
+    mla_split) timeout 540 python3 bench/lab/mla_mosaic_split.py 2>&1 | grep -v Warning | tail -20 ;;
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     # Nsight Compute's counters of the sparse MLA decode at B = 128, a launch per tile variant

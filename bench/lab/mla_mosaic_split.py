@@ -5,7 +5,8 @@ stores stay). If the whole kernel takes about as long as one part, that part set
 their sum, the two do not overlap. Then the whole kernel with warpgroup 0's share of the value columns cut (it also
 computes S and the softmax, so its chain is the longer one; warpgroup 1 takes the rest): 256 (the kernel's), 192 and
 128 columns, each with the registers that leave ptxas no spills (`tools/aot_h200.py`). Last the seesaw schedule
-(`_seesaw_schedule`: each warpgroup computes S for every other block), whole and its compute alone, and both
+(`_seesaw_schedule`: each warpgroup computes S for every other block), whole and its compute alone, then with
+warpgroup 0's S issued at the top of each pair instead of behind its last P V (`SEESAW_EARLY_S`), and both
 schedules with FlashMLA's L2 hints on the gather's copies (`GATHER_L2_HINTS`). Each variant that computes the whole
 product gives its RMS difference from the kernel's output. B = 32 / 128 queries, top-2048, 128 heads, dsa_kernels'
 timing.
@@ -67,6 +68,7 @@ def main():
              dict(OWNER_COLUMNS=columns, OWNER_REGISTERS=owner, SECOND_REGISTERS=second))
             for columns, owner, second in COLUMN_SPLITS] + [
             ("seesaw", KERNEL_OPS, dict(SCHEDULE="seesaw")), ("seesaw compute", ComputeOnly, dict(SCHEDULE="seesaw")),
+            ("seesaw, S at top", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_EARLY_S=False)),
             ("L2 hints", KERNEL_OPS, dict(GATHER_L2_HINTS=True)),
             ("seesaw, L2 hints", KERNEL_OPS, dict(SCHEDULE="seesaw", GATHER_L2_HINTS=True))]
         for name, ops, constants in variants:
