@@ -27,6 +27,9 @@ ADJUSTED = (ADJUSTED_GREEDY, "adjusted_sample")
 # programs.
 SAMPLING, ADJUSTING = "sampling", "adjusting"
 ON_DEMAND = (SAMPLING, ADJUSTING)
+# What each kind serves, in the words of the progress bar and the log.
+ON_DEMAND_USES = {SAMPLING: "temperature > 0",
+                  ADJUSTING: "adjusted logits and logprobs"}  # penalties, bias, min_tokens, grammars
 # Programs of a speculative engine besides the samplers (see engine.runner).
 EXTEND_HIDDEN, DRAFT = "extend_hidden", "draft"
 

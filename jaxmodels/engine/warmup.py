@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 
-from jaxmodels.engine.programs import ON_DEMAND
+from jaxmodels.engine.programs import ON_DEMAND, ON_DEMAND_USES
 from jaxmodels.step_context import StepKind
 
 log = logging.getLogger("jaxmodels.engine")
@@ -153,10 +153,10 @@ class Warmup:
 
         def run():
             try:
-                self._compile([(kind, 0)], required=True, desc=f"compiling the {kind} samplers",
+                self._compile([(kind, 0)], required=True, desc=f"compiling the samplers for {ON_DEMAND_USES[kind]}",
                               threads=os.cpu_count() or 1)
             except Exception as error:  # noqa: BLE001 - reported to the requests waiting for it
-                log.exception("compiling the %s samplers failed", kind)
+                log.exception("compiling the samplers for %s failed", ON_DEMAND_USES[kind])
                 self.on_demand_errors[kind] = f"{type(error).__name__}: {error}"
 
         self._on_demand[kind] = thread = threading.Thread(target=run, name=f"jaxmodels-compile-{kind}", daemon=True)
