@@ -46,9 +46,11 @@ where this kernel does 430 on the H200 at B = 128; `_seesaw_schedule`): the warp
 pair, and each half of a slot is published and freed on its own, so that the next pair's first halves are gathered
 while this pair is computed. Warpgroup 1's P needs a buffer of its own (8 KiB), which fits once Pallas' 2 KiB of
 reduction scratch is off. As in FlashMLA, warpgroup 0 issues the next pair's S behind its last P V of a pair, so
-that the tensor cores do not drain between them (`SEESAW_EARLY_S`). It passes the interpreter's tests, compiles
+that the tensor cores do not drain between them (`SEESAW_EARLY_S`), and the half that S starts on is published as
+soon as it has landed (`SEESAW_MID_ALONE`; FlashMLA's copies arrive on their barrier themselves,
+`cp.async.mbarrier.arrive.noinc`, which Pallas has no way to emit). It passes the interpreter's tests, compiles
 with no spills in the compute warpgroups at 232 / 232 / 40 registers, and is not yet timed on the GPU (`bash
-bench/lab/h200_runs.sh mla_split` times it against this schedule, and without the early S).
+bench/lab/h200_runs.sh mla_split` times it against this schedule, and without each of the two).
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
 (`tools/aot_h200.py`) then reports 28 bytes of spills, where 232 each spilled 136 (warpgroup 0's loop-invariant
@@ -641,6 +643,9 @@ SEESAW_REGISTERS = (232, 232, 40)
 # Warpgroup 0 issues the next pair's S behind its last P V of a pair, as FlashMLA does, rather than at the top of the
 # next pair (`_seesaw_schedule`).
 SEESAW_EARLY_S = True
+# The producer publishes the halves freed mid-pair one by one, each once it has landed, rather than both once both
+# have (`_seesaw_schedule`'s producer).
+SEESAW_MID_ALONE = True
 
 
 def _seesaw_scratch(plgpu, tiles):
@@ -702,8 +707,11 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
 
         # The halves go out in two groups, by when their last reader frees them (the first pair's are free): those
         # freed mid-pair, then those freed at its end, each group published once both its halves have landed. The
-        # producer's waits block, so a half is never held landed and unpublished across the wait for a later
-        # freeing (which would hold, say, warpgroup 1's next S behind warpgroup 0's P V).
+        # producer's waits block: a half gathered before the wait for a later freeing stays unpublished across it.
+        # With SEESAW_MID_ALONE the mid-pair halves are published one by one instead: slot 0's first half, which
+        # warpgroup 0 frees after its own P V, goes out as soon as it has landed, and is not held until slot 1's
+        # second half is freed, which warpgroup 1 does only once it has issued its P V with warpgroup 0's P (both
+        # its products are issued before either is waited for). Warpgroup 0's early S starts on that half.
         def pair_step(pair, keys):
             following = (program.keys_of(2 * pair + 2, walked), program.keys_of(2 * pair + 3, walked))
             for group in (FREED_MID_PAIR, FREED_AT_PAIR_END):
@@ -714,7 +722,13 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
 
                     gather(slot, part, 2 * pair + slot, keys[slot])
 
-                if group is FREED_MID_PAIR:  # the first pair's: left in flight beside the other group
+                    if group is FREED_MID_PAIR and SEESAW_MID_ALONE:
+                        @pl.when(pair > 0)
+                        def _():
+                            ops.wait_for_gathers(0)
+                            publish(slot, part)
+
+                if group is FREED_MID_PAIR and not SEESAW_MID_ALONE:  # the first pair's: in flight beside the others
                     @pl.when(pair > 0)
                     def _():
                         ops.wait_for_gathers(0)

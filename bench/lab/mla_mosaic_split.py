@@ -6,7 +6,8 @@ their sum, the two do not overlap. Then the whole kernel with warpgroup 0's shar
 computes S and the softmax, so its chain is the longer one; warpgroup 1 takes the rest): 256 (the kernel's), 192 and
 128 columns, each with the registers that leave ptxas no spills (`tools/aot_h200.py`). Last the seesaw schedule
 (`_seesaw_schedule`: each warpgroup computes S for every other block), whole and its compute alone, then with
-warpgroup 0's S issued at the top of each pair instead of behind its last P V (`SEESAW_EARLY_S`), and both
+warpgroup 0's S issued at the top of each pair instead of behind its last P V (`SEESAW_EARLY_S`), and with the
+halves freed mid-pair published together instead of one by one (`SEESAW_MID_ALONE`), and both
 schedules with FlashMLA's L2 hints on the gather's copies (`GATHER_L2_HINTS`). Each variant that computes the whole
 product gives its RMS difference from the kernel's output. B = 32 / 128 queries, top-2048, 128 heads, dsa_kernels'
 timing.
@@ -69,6 +70,7 @@ def main():
             for columns, owner, second in COLUMN_SPLITS] + [
             ("seesaw", KERNEL_OPS, dict(SCHEDULE="seesaw")), ("seesaw compute", ComputeOnly, dict(SCHEDULE="seesaw")),
             ("seesaw, S at top", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_EARLY_S=False)),
+            ("seesaw, mid paired", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_MID_ALONE=False)),
             ("L2 hints", KERNEL_OPS, dict(GATHER_L2_HINTS=True)),
             ("seesaw, L2 hints", KERNEL_OPS, dict(SCHEDULE="seesaw", GATHER_L2_HINTS=True))]
         for name, ops, constants in variants:

@@ -39,17 +39,18 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
 
 
 @needs_mosaic_lowering
-@pytest.mark.parametrize("schedule, hints, early_s", [("seesaw", False, True), ("seesaw", True, True),
-                                                     ("seesaw", False, False), ("owner", True, True)])
+@pytest.mark.parametrize("schedule, hints, seesaw_defaults", [("seesaw", False, True), ("seesaw", True, True),
+                                                             ("seesaw", False, False), ("owner", True, True)])
 @pytest.mark.parametrize("T, listed", [(128, False), (1, True)])
-def test_schedules_and_gather_hints_lower_for_the_h200(schedule, hints, early_s, T, listed, monkeypatch):
+def test_schedules_and_gather_hints_lower_for_the_h200(schedule, hints, seesaw_defaults, T, listed, monkeypatch):
     """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off),
-    with and without warpgroup 0's early S, and the gather's L2 hints, one program a query's head block and a list
-    split over programs."""
+    as by default and without warpgroup 0's early S nor the mid-pair halves published one by one, and the gather's
+    L2 hints, one program a query's head block and a list split over programs."""
     sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
     monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", schedule)
     monkeypatch.setattr(sparse_mla_mosaic, "GATHER_L2_HINTS", hints)
-    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_EARLY_S", early_s)
+    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_EARLY_S", seesaw_defaults)
+    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_MID_ALONE", seesaw_defaults)
     test_kernel_lowers_for_the_h200(T, 128, listed, None)
 
 
@@ -180,16 +181,17 @@ def test_interpreted_kernel_with_a_smaller_share_for_the_softmax_owner(monkeypat
 
 @needs_mosaic_lowering
 @on_cpu
-@pytest.mark.parametrize("lists, early_s", [("dense", True), ("listed", True), ("listed", False)])
-def test_interpreted_seesaw_schedule_equals_dense_masked_attention(lists, early_s, monkeypatch):
+@pytest.mark.parametrize("lists, seesaw_defaults", [("dense", True), ("listed", True), ("listed", False)])
+def test_interpreted_seesaw_schedule_equals_dense_masked_attention(lists, seesaw_defaults, monkeypatch):
     """The seesaw schedule (`_seesaw_schedule`: warpgroups owning alternate blocks, the pair's row maximum passed
     between them, half slots published and freed on their own) as the GPU runs it: top-320 split in two (two pairs,
     and one block walked with an empty one), and the listed counts of the owner schedule's test below (a split with
-    no keys walks a pair of none). With warpgroup 0's next S issued behind its last P V (`SEESAW_EARLY_S`, the
-    default) and at the top of each pair."""
+    no keys walks a pair of none). As by default (warpgroup 0's next S issued behind its last P V, the mid-pair
+    halves published one by one) and with neither (`SEESAW_EARLY_S`, `SEESAW_MID_ALONE`)."""
     sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
     monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", "seesaw")
-    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_EARLY_S", early_s)
+    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_EARLY_S", seesaw_defaults)
+    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_MID_ALONE", seesaw_defaults)
     if lists == "dense":
         check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=2), T=4, H=128, topk=320,
                                       num_pages=8)
