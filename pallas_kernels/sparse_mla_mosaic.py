@@ -701,9 +701,12 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
             program.gather(block, keys, rows_smem.at[slot], index_smem.at[slot] if part else None,
                            HALF_SLOTS[part])
 
-        def publish(slot, part):
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(half(slot, part)[0])
+        def publish_landed(halves, pending=0):
+            """Waits until at most `pending` gathers are in flight, then publishes `halves` [(slot, part)]."""
+            ops.wait_for_gathers(pending)
+            for slot, part in halves:
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(half(slot, part)[0])
 
         # The halves go out in two groups, by when their last reader frees them (the first pair's are free): those
         # freed mid-pair, then those freed at its end, each group published once both its halves have landed. The
@@ -723,27 +726,13 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
                     gather(slot, part, 2 * pair + slot, keys[slot])
 
                     if group is FREED_MID_PAIR and SEESAW_MID_ALONE:
-                        @pl.when(pair > 0)
-                        def _():
-                            ops.wait_for_gathers(0)
-                            publish(slot, part)
+                        pl.when(pair > 0)(lambda: publish_landed([(slot, part)]))
 
                 if group is FREED_MID_PAIR and not SEESAW_MID_ALONE:  # the first pair's: in flight beside the others
-                    @pl.when(pair > 0)
-                    def _():
-                        ops.wait_for_gathers(0)
-                        for slot, part in group:
-                            publish(slot, part)
+                    pl.when(pair > 0)(lambda: publish_landed(FREED_MID_PAIR))
 
-            @pl.when(pair == 0)
-            def _():
-                ops.wait_for_gathers(len(FREED_AT_PAIR_END))
-                for slot, part in FREED_MID_PAIR:
-                    publish(slot, part)
-
-            ops.wait_for_gathers(0)
-            for slot, part in FREED_AT_PAIR_END:
-                publish(slot, part)
+            pl.when(pair == 0)(lambda: publish_landed(FREED_MID_PAIR, pending=len(FREED_AT_PAIR_END)))
+            publish_landed(FREED_AT_PAIR_END)
             return following
 
         lax.fori_loop(0, pairs, pair_step, (program.keys_of(0, walked), program.keys_of(1, walked)))
