@@ -1,9 +1,9 @@
 """Command line: `python -m jaxmodels demo`, `python -m jaxmodels generate --model PATH --prompt "..."`,
 `python -m jaxmodels serve --model PATH` (an OpenAI-compatible server, see jaxmodels/serve/),
 `python -m jaxmodels bench --config CONFIG.json ...` (engine vs transformers, see jaxmodels/benchmark.py),
-`python -m jaxmodels bench-report RESULTS.json ... --plot DIR --markdown OUT.md` (its figures and tables, see
-jaxmodels/benchmark_report.py) and `python -m jaxmodels plan --config CONFIG.json --dp D --tp T` (memory and
-collectives on a mesh, jaxmodels/plan.py)."""
+`python -m jaxmodels bench-report RESULTS.json ... --plot DIR --markdown OUT.md | --update PAGE.md` (its figures
+and tables, see jaxmodels/benchmark_report.py) and `python -m jaxmodels plan --config CONFIG.json --dp D --tp T`
+(memory and collectives on a mesh, jaxmodels/plan.py)."""
 
 import argparse
 import logging

@@ -2,13 +2,15 @@
 writes), for docs/BENCHMARKS.md.
 
     python -m jaxmodels bench-report nano9b.json nano30b.json --plot docs/figures --markdown tables.md
+    python -m jaxmodels bench-report docs/results/*.json --plot docs/figures --update docs/BENCHMARKS.md
 
 Figures (PNG, matplotlib's Agg renderer; the [bench] extra): decode output tok/s against concurrency, TTFT against
 prompt length, and the serving runs' ITL and TTFT percentiles. Tables: per JSON, under its command, commit and
 device, decode tok/s against concurrency, TTFT and prefill tok/s against prompt length, and the serving runs. Each
 JSON is one series in the figures and one section of the tables, named by its label; transformers' numbers and the
 hardware floor stand beside ours where the JSON has them. JSONs written before the prefill sweep and the p90s read
-too: a number a JSON lacks shows as "-".
+too: a number a JSON lacks shows as "-". `--update PAGE` rewrites only the block between PAGE's two markers
+(`BEGIN` and `END`), so a page's prose around its generated tables is kept and its figures are never edited by hand.
 """
 
 import argparse
@@ -18,6 +20,8 @@ import os
 
 FIGURES = {"decode": "decode_throughput.png", "prefill": "prefill_ttft.png", "serve": "serve_latency.png"}
 PERCENTILES = (50, 90, 99)
+BEGIN = "<!-- bench-report: generated from docs/results, do not edit by hand -->"
+END = "<!-- end of bench-report -->"
 
 
 def load(paths) -> list[dict]:
@@ -287,16 +291,43 @@ def main(argv=None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", metavar="RESULTS.json", help="JSONs of `python -m jaxmodels bench`")
     parser.add_argument("--plot", metavar="DIR", help="write the figures (PNG) here")
-    parser.add_argument("--markdown", metavar="OUT.md",
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--markdown", metavar="OUT.md",
                         help="write the tables here, with the figures of --plot embedded (default: print them)")
+    output.add_argument("--update", metavar="PAGE.md",
+                        help=f"replace the tables between PAGE's markers ({BEGIN} ... {END}), keeping the rest")
     args = parser.parse_args(argv)
     results_list = load(args.results)
+    if args.update:
+        page = read_page_with_markers(args.update, parser)  # before plotting: a page without markers fails at once
     figures = plot_results(results_list, args.plot) if args.plot else []
     for path in figures:
         print(f"figure: {path}")
-    if args.markdown is None:
+    if args.update:
+        with open(args.update, "w") as f:
+            f.write(spliced(page, markdown_results(results_list, links_from(args.update, figures))))
+        print(f"tables: {args.update} (between its markers)")
+    elif args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_results(results_list, links_from(args.markdown, figures)))
+        print(f"tables: {args.markdown}")
+    else:
         print(markdown_results(results_list))
-        return
-    with open(args.markdown, "w") as f:
-        f.write(markdown_results(results_list, links_from(args.markdown, figures)))
-    print(f"tables: {args.markdown}")
+
+
+def read_page_with_markers(path: str, parser: argparse.ArgumentParser) -> str:
+    try:
+        with open(path) as f:
+            page = f.read()
+    except OSError as error:
+        parser.error(f"--update {path}: {error.strerror}")
+    if page.count(BEGIN) != 1 or page.count(END) != 1 or page.index(BEGIN) > page.index(END):
+        parser.error(f"--update {path}: the page needs the line {BEGIN} and, after it, {END}, once each")
+    return page
+
+
+def spliced(page: str, tables: str) -> str:
+    """`page` with the text between its markers replaced by `tables` (a blank line on each side)."""
+    head, rest = page.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    return f"{head}{BEGIN}\n\n{tables.strip()}\n\n{END}{tail}"

@@ -6,13 +6,11 @@ import os
 import re
 import shlex
 
-from jaxmodels.benchmark_report import FIGURES, links_from, load, markdown_results
+from jaxmodels.benchmark_report import BEGIN, END, FIGURES, links_from, load, markdown_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "BENCHMARKS.md")
 MAX_LINES = 400
-BEGIN = "<!-- bench-report: generated from docs/results, do not edit by hand -->"
-END = "<!-- end of bench-report -->"
 
 
 def read_page() -> str:
@@ -40,6 +38,7 @@ def test_the_serving_tables_are_bench_reports_of_the_results():
     words = shlex.split(command.group(1))
     jsons = [os.path.join(ROOT, word) for word in words if word.endswith(".json")]
     plot_dir = words[words.index("--plot") + 1]
+    assert os.path.join(ROOT, words[words.index("--update") + 1]) == PAGE
     assert jsons and sorted(jsons) == sorted(
         os.path.join(ROOT, "docs", "results", name) for name in os.listdir(os.path.join(ROOT, "docs", "results")))
     figures = links_from(PAGE, [os.path.join(ROOT, plot_dir, name) for name in FIGURES.values()])

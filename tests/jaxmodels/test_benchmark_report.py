@@ -148,6 +148,38 @@ def test_report_reads_older_jsons_with_transformers_beside(tmp_path, capsys):
     assert serve["arrivals"] == "8 arrivals/s"
 
 
+def test_update_rewrites_only_the_block_between_the_pages_markers(tmp_path, capsys):
+    """The prose around the block is kept byte for byte, the old tables go, and a second run changes nothing."""
+    from jaxmodels.benchmark_report import BEGIN, END
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(OLD_RESULTS))
+    page = tmp_path / "BENCH.md"
+    head, tail = "# Results\n\nprose before\n\n", "\n\n## After\n\nprose after\n"
+    page.write_text(f"{head}{BEGIN}\n\n| stale | table |\n\n{END}{tail}")
+    main(["bench-report", str(path), "--update", str(page)])
+    text = page.read_text()
+    assert text.startswith(head + BEGIN) and text.endswith(END + tail)
+    assert "stale" not in text
+    block = text.split(BEGIN)[1].split(END)[0]
+    assert block.strip() == markdown([str(path)]).strip()
+    main(["bench-report", str(path), "--update", str(page)])
+    assert page.read_text() == text
+
+
+@pytest.mark.parametrize("body", ["no markers at all\n", "<!-- end of bench-report -->\nthen\n"
+                                  "<!-- bench-report: generated from docs/results, do not edit by hand -->\n"])
+def test_update_refuses_a_page_without_its_markers_in_order(tmp_path, capsys, body):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(OLD_RESULTS))
+    page = tmp_path / "BENCH.md"
+    page.write_text(body)
+    with pytest.raises(SystemExit):
+        main(["bench-report", str(path), "--update", str(page), "--plot", str(tmp_path / "figures")])
+    assert "needs the line" in capsys.readouterr().err
+    assert page.read_text() == body
+    assert not (tmp_path / "figures").exists()  # refused before drawing anything
+
+
 def test_latency_percentiles_match_numpy_per_request_gaps():
     """Request 0 gets tokens 0.5 s after arriving, then 0.1 s and 0.3 s apart; request 1 after 0.2 s, then 0.05, 0.2,
     0.05 s apart; request 2 arrived and got none. The 0.8 s between request 0's last token and request 1's first is
