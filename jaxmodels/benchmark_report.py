@@ -2,7 +2,7 @@
 writes), for docs/BENCHMARKS.md.
 
     python -m jaxmodels bench-report nano9b.json nano30b.json --plot docs/figures --markdown tables.md
-    python -m jaxmodels bench-report docs/results/*.json --plot docs/figures --update docs/BENCHMARKS.md
+    python -m jaxmodels bench-report RESULTS.json ... --plot docs/figures --update docs/BENCHMARKS.md
 
 Figures (PNG, matplotlib's Agg renderer; the [bench] extra): decode output tok/s against concurrency, TTFT against
 prompt length, and the serving runs' ITL and TTFT percentiles. Tables: per JSON, under its command, commit and
@@ -10,7 +10,8 @@ device, decode tok/s against concurrency, TTFT and prefill tok/s against prompt 
 JSON is one series in the figures and one section of the tables, named by its label; transformers' numbers and the
 hardware floor stand beside ours where the JSON has them. JSONs written before the prefill sweep and the p90s read
 too: a number a JSON lacks shows as "-". `--update PAGE` rewrites only the block between PAGE's two markers
-(`BEGIN` and `END`), so a page's prose around its generated tables is kept and its figures are never edited by hand.
+(`BEGIN` and `END`), so a page's prose around its generated tables is kept and its figures are never edited by hand;
+name the JSONs in the order of the page's own command (its sections follow it).
 """
 
 import argparse
