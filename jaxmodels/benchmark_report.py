@@ -304,16 +304,14 @@ def main(argv=None, prog: str | None = None) -> None:
     figures = plot_results(results_list, args.plot) if args.plot else []
     for path in figures:
         print(f"figure: {path}")
-    if args.update:
-        with open(args.update, "w") as f:
-            f.write(spliced(page, markdown_results(results_list, links_from(args.update, figures))))
-        print(f"tables: {args.update} (between its markers)")
-    elif args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown_results(results_list, links_from(args.markdown, figures)))
-        print(f"tables: {args.markdown}")
-    else:
+    target = args.update or args.markdown
+    if target is None:
         print(markdown_results(results_list))
+        return
+    tables = markdown_results(results_list, links_from(target, figures))  # figures linked from where they are read
+    with open(target, "w") as f:
+        f.write(spliced(page, tables) if args.update else tables)
+    print(f"tables: {target}" + (" (between its markers)" if args.update else ""))
 
 
 def read_page_with_markers(path: str, parser: argparse.ArgumentParser) -> str:

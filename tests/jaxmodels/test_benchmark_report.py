@@ -14,7 +14,7 @@ from PIL import Image
 
 from jaxmodels.__main__ import main
 from jaxmodels.benchmark import COMMIT_ENV, latency_percentiles
-from jaxmodels.benchmark_report import FIGURES, markdown
+from jaxmodels.benchmark_report import BEGIN, END, FIGURES, markdown
 
 
 def table_rows(text: str, first_header: str) -> list[dict]:
@@ -150,7 +150,6 @@ def test_report_reads_older_jsons_with_transformers_beside(tmp_path, capsys):
 
 def test_update_rewrites_only_the_block_between_the_pages_markers(tmp_path, capsys):
     """The prose around the block is kept byte for byte, the old tables go, and a second run changes nothing."""
-    from jaxmodels.benchmark_report import BEGIN, END
     path = tmp_path / "old.json"
     path.write_text(json.dumps(OLD_RESULTS))
     page = tmp_path / "BENCH.md"
@@ -166,8 +165,7 @@ def test_update_rewrites_only_the_block_between_the_pages_markers(tmp_path, caps
     assert page.read_text() == text
 
 
-@pytest.mark.parametrize("body", ["no markers at all\n", "<!-- end of bench-report -->\nthen\n"
-                                  "<!-- bench-report: generated from docs/results, do not edit by hand -->\n"])
+@pytest.mark.parametrize("body", ["no markers at all\n", f"{END}\nthen\n{BEGIN}\n"])
 def test_update_refuses_a_page_without_its_markers_in_order(tmp_path, capsys, body):
     path = tmp_path / "old.json"
     path.write_text(json.dumps(OLD_RESULTS))
