@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_mosaic_engine|mla_schedule_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_seesaw|mla_mosaic_engine|mla_schedule_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -210,7 +210,13 @@ runpy.run_module('jaxmodels', run_name='__main__')" "$schedule" bench --no-progr
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
             2>&1 | grep -A4 "| B |"; done ;;
     # The kernel's time split (whole, compute alone, gathers alone) and warpgroup 0's column share (bench/lab/mla_mosaic_split.py).
-    mla_split) timeout 540 python3 bench/lab/mla_mosaic_split.py 2>&1 | grep -v Warning | tail -20 ;;
+    mla_split) timeout "${SPLIT_TIMEOUT:-540}" python3 bench/lab/mla_mosaic_split.py --batches "${SPLIT_BATCHES:-32,128}" \
+        ${SPLIT_ONLY:+--only "$SPLIT_ONLY"} 2>&1 | grep -v Warning | tail -24 ;;  # SPLIT_ONLY: names, ';' between
+    # The Mosaic sparse MLA's GPU tests (both schedules), then its schedules at B=128 (mla_split, short): one call
+    mla_seesaw) timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+          tests/pallas_kernels/test_sparse_mla_mosaic.py 2>&1 | tail -4
+        SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-400} SPLIT_BATCHES=128 \
+          SPLIT_ONLY=${SPLIT_ONLY:-"compute only;seesaw;seesaw compute;seesaw, S at top"} bash "$0" mla_split ;;
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     # Nsight Compute's counters of the sparse MLA decode at B = 128, a launch per tile variant

@@ -13,10 +13,12 @@ product gives its RMS difference from the kernel's output. B = 32 / 128 queries,
 timing.
 
     PYTHONPATH=. python bench/lab/mla_mosaic_split.py        # bash bench/lab/h200_runs.sh mla_split
+    PYTHONPATH=. python bench/lab/mla_mosaic_split.py --batches 128 --only "seesaw;seesaw compute"   # a short call
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import jax
@@ -53,10 +55,15 @@ class GathersOnly(KERNEL_OPS):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="32,128", help="queries a call, comma-separated")
+    parser.add_argument("--only", help="the variants to time besides the whole kernel (the baseline and the reference "
+                        "of the RMS differences), by name, ';' between (default: all)")
+    args = parser.parse_args()
     H, k, rows = 128, 2048, 1 << 18
     cache = jax.random.normal(jax.random.key(6), (rows, 576)).astype(jnp.bfloat16)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; top-{k}, {H} heads")
-    for B in (32, 128):
+    for B in map(int, args.batches.split(",")):
         bytes_ = B * k * 576 * 2 + B * H * 576 * 2 + B * H * 512 * 2 + B * k * 4
         floor = bytes_ / COPY_BANDWIDTH
         problems = [(jax.random.normal(jax.random.key(B + 2 * i), (B, H, 576)).astype(jnp.bfloat16),
@@ -73,6 +80,12 @@ def main():
             ("seesaw, mid paired", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_MID_ALONE=False)),
             ("L2 hints", KERNEL_OPS, dict(GATHER_L2_HINTS=True)),
             ("seesaw, L2 hints", KERNEL_OPS, dict(SCHEDULE="seesaw", GATHER_L2_HINTS=True))]
+        if args.only:
+            wanted = args.only.split(";")
+            unknown = set(wanted) - {name for name, _, _ in variants}
+            if unknown:
+                parser.error(f"no variants named {sorted(unknown)}")
+            variants = [variant for variant in variants if variant[0] in wanted or variant[0] == "whole kernel"]
         for name, ops, constants in variants:
             kept = {constant: getattr(mla, constant) for constant in constants}
             mla._Compiled = ops
