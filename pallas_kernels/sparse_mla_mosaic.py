@@ -48,9 +48,17 @@ while this pair is computed. Warpgroup 1's P needs a buffer of its own (8 KiB), 
 reduction scratch is off. As in FlashMLA, warpgroup 0 issues the next pair's S behind its last P V of a pair, so
 that the tensor cores do not drain between them (`SEESAW_EARLY_S`), and the half that S starts on is published as
 soon as it has landed (`SEESAW_MID_ALONE`; FlashMLA's copies arrive on their barrier themselves,
-`cp.async.mbarrier.arrive.noinc`, which Pallas has no way to emit). It passes the interpreter's tests, compiles
-with no spills in the compute warpgroups at 232 / 232 / 40 registers, and is not yet timed on the GPU (`bash
-bench/lab/h200_runs.sh mla_split` times it against this schedule, and without each of the two).
+`cp.async.mbarrier.arrive.noinc`, which Pallas has no way to emit). It passes the interpreter's tests and its
+compiled ones on an H100, with no spills in the compute warpgroups at 232 / 232 / 40 registers, and loses: on an H100
+at B = 128 (`bash bench/lab/h200_runs.sh mla_seesaw` at acb2037, one run) its compute alone is faster than this
+schedule's (0.130 against 0.145 ms) but the whole kernel slower (0.193 against 0.174). Every half slot's last
+reader is at the end of a pair (the other warpgroup's P V) or the middle, so the next pair's S waits for a half
+gathered only at the pair's end: a gather's latency is exposed once a pair, where this schedule gathers a block
+ahead. Not yet timed on the H200.
+
+`OWNER_HALF_SLOTS` (off: not yet timed on a GPU) runs this schedule on the seesaw's half slots: S starts on a
+block's first half while its second lands, and warpgroup 0 frees the first half after its own P V, so that the next
+gather into the slot starts before warpgroup 1 is done. With it off the kernel's SASS is unchanged.
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
 (`tools/aot_h200.py`) then reports 28 bytes of spills, where 232 each spilled 136 (warpgroup 0's loop-invariant
@@ -68,6 +76,7 @@ and log-sum-exp, combined in XLA by `sparse_mla_attention._combine_splits`, as i
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -486,14 +495,39 @@ def _online_softmax(s, m, m_new, total):
     return p, alpha, total * alpha + p.sum(axis=1)
 
 
+# Half slots: the first 256 columns of a slot's rows (V's first half) and the rest (V's second half and the rope
+# columns), each gathered, published and freed on its own (the seesaw, and the owner schedule with OWNER_HALF_SLOTS);
+# and each warpgroup's half of V (and of O).
+HALF_SLOTS = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2))
+HALVES = len(HALF_SLOTS)
+V_HALVES = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, LATENT // 2))
+# The owner schedule with half slots: warpgroup 0's S starts on a block's first half while its second is still
+# landing, and frees the first half (its only reader then) after its own P V, so that the next gather into the slot
+# starts without waiting for warpgroup 1's. Needs OWNER_COLUMNS = 256: warpgroup 1 then reads the second half only.
+OWNER_HALF_SLOTS = False
+
+
+def _owner_parts() -> tuple:
+    """The parts of a slot that the owner schedule gathers, publishes and frees on their own: the whole row (None),
+    or its two halves."""
+    if not OWNER_HALF_SLOTS:
+        return (None,)
+    if OWNER_COLUMNS != LATENT // 2:
+        raise ValueError(f"OWNER_HALF_SLOTS needs OWNER_COLUMNS = {LATENT // 2}, not {OWNER_COLUMNS}: warpgroup 1 "
+                         "would read the first half, which warpgroup 0 frees alone")
+    return HALF_SLOTS
+
+
 def _owner_scratch(plgpu, tiles):
     return (plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiles),
             plgpu.SMEM((SLOTS, BLOCK_KEYS, WIDTH), jnp.bfloat16, transforms=tiles),
             plgpu.SMEM((SLOTS, BLOCK_KEYS), jnp.int32),
             plgpu.SMEM((SLOTS, HEADS), jnp.float32),
             plgpu.SMEM((1, HEADS), jnp.float32),
-            (plgpu.Barrier(num_barriers=SLOTS),  # rows_ready: the producer's arrival
-             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # rows_free: both compute warpgroups
+            # rows_ready[slot * parts + part]: the producer's arrival; rows_free: the part's last readers', both
+            # compute warpgroups for a whole row, warpgroup 0 for the first half and 1 for the second.
+            (plgpu.Barrier(num_barriers=SLOTS * len(_owner_parts())),
+             plgpu.Barrier(num_arrivals=3 - len(_owner_parts()), num_barriers=SLOTS * len(_owner_parts())),
              plgpu.Barrier(num_barriers=SLOTS),  # p_ready: warpgroup 0's P and rescale of the slot's block
              plgpu.Barrier(),  # q_ready (TMA)
              plgpu.Barrier()))  # done: warpgroup 0's row sums are in stats_smem
@@ -501,23 +535,36 @@ def _owner_scratch(plgpu, tiles):
 
 def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_smem, barriers):
     """Warpgroup 0 owns the softmax (S, the online softmax and O[:, :OWNER_COLUMNS]); warpgroup 1 adds P V into the
-    other columns; the producer gathers a block a slot (module docstring)."""
+    other columns; the producer gathers a block a slot (module docstring), in `_owner_parts`."""
     rows_ready, rows_free, p_ready, q_ready, done = barriers
     ops, plgpu, blocks = program.ops, program.plgpu, program.blocks
     wg = program.wg()
+    parts = _owner_parts()
+    last = len(parts) - 1  # the part that brings the slot's indices, and that warpgroup 1 frees
+
+    def barrier(array, block, part):
+        return array.at[(block % SLOTS) * len(parts) + part]
+
+    def columns(ref, part):
+        return ref if parts[part] is None else ref.at[:, parts[part]]
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-        def publish(block):
-            # Each thread's copies are complete (cp.async.wait_group); the fence orders them before the
-            # warpgroup's arrival for the tensor cores' reads (the async proxy).
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(rows_ready.at[block % SLOTS])
+        def publish(block, pending):
+            """Publishes each part of `block` once it has landed, `pending` gathers (of later blocks) left in flight.
+            Each thread's copies are complete (cp.async.wait_group); the fence orders them before the warpgroup's
+            arrival for the tensor cores' reads (the async proxy)."""
+            for part in range(len(parts)):
+                ops.wait_for_gathers(pending + last - part)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(barrier(rows_ready, block, part))
 
-        def gather(block, keys):
-            program.gather(block, keys, rows_smem.at[block % SLOTS], index_smem.at[block % SLOTS])
+        def gather(block, keys, part):
+            slot = block % SLOTS
+            program.gather(block, keys, rows_smem.at[slot], index_smem.at[slot] if part == last else None,
+                           parts[part])
 
         def keys_of(block):
             # A block's keys are loaded a block ahead of its gather, so that the gather's copies go out without
@@ -526,7 +573,9 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
 
         @pl.when(blocks >= 1)
         def _():
-            gather(0, keys_of(0))
+            keys = keys_of(0)
+            for part in range(len(parts)):
+                gather(0, keys, part)
 
         # Each block is published as soon as its rows have landed, and the next gather waits for its slot
         # only after that: a block's publication never waits behind the gather of the one after it. The two
@@ -536,23 +585,23 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
         # each part).
         @pl.when(blocks >= 2)
         def _():
-            gather(1, keys_of(1))
-            ops.wait_for_gathers(1)
-            publish(0)
+            keys = keys_of(1)
+            for part in range(len(parts)):
+                gather(1, keys, part)
+            publish(0, pending=len(parts))
 
         @pl.when(blocks == 1)
         def _():
-            ops.wait_for_gathers(0)
-            publish(0)
+            publish(0, pending=0)
 
         def step(block, keys):  # keys: block + 1's
-            ops.wait_for_gathers(0)
-            publish(block)
+            publish(block, pending=0)
 
             @pl.when(block + 1 < blocks)
             def _():
-                plgpu.barrier_wait(rows_free.at[(block + 1) % SLOTS])  # block - 1 is done with it
-                gather(block + 1, keys)
+                for part in range(len(parts)):
+                    plgpu.barrier_wait(barrier(rows_free, block + 1, part))  # block - 1 is done with it
+                    gather(block + 1, keys, part)
 
             return keys_of(block + 2)
 
@@ -563,7 +612,8 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
         # keeps the idle producer until the end).
         @pl.loop(jnp.maximum(blocks - SLOTS, 0), blocks)
         def _drain(block):
-            plgpu.barrier_wait(rows_free.at[block % SLOTS])
+            for part in range(len(parts)):
+                plgpu.barrier_wait(barrier(rows_free, block, part))
 
     @pl.when(wg == 0)
     def _softmax_owner():
@@ -580,19 +630,25 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
         def block_step(block, carry):
             acc, m, total = carry
             slot = block % SLOTS
-            plgpu.barrier_wait(rows_ready.at[slot])
-            s = program.masked_scores(ops.matmul_transposed(q_smem, rows_smem.at[slot]), index_smem.at[slot], block)
+            if len(parts) == 1:
+                plgpu.barrier_wait(barrier(rows_ready, block, 0))
+                s = ops.matmul_transposed(q_smem, rows_smem.at[slot])
+            else:  # each half's product issued once it has landed
+                s = ops.matmul_transposed_sum([
+                    (functools.partial(plgpu.barrier_wait, barrier(rows_ready, block, part)),
+                     columns(q_smem, part), columns(rows_smem.at[slot], part)) for part in range(len(parts))])
+            s = program.masked_scores(s, index_smem.at[slot], block)
             m_new = jnp.maximum(m, s.max(axis=1))
             p, alpha, total = _online_softmax(s, m, m_new, total)
             p16 = p.astype(jnp.bfloat16)
             # P goes where the slot's rope columns were (read by S only, which is done): no buffer of its own,
-            # and the slot is refilled only once both warpgroups are done with it.
+            # and the slot's rope columns are refilled only once warpgroup 1 is done with it.
             rows_smem[slot, :, P_COLUMNS] = p16
             alpha_smem[slot] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[slot])
             acc = ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(0, OWNER_COLUMNS)])
-            plgpu.barrier_arrive(rows_free.at[slot])
+            plgpu.barrier_arrive(barrier(rows_free, block, 0))
             return acc, m_new, total
 
         acc, m, total = lax.fori_loop(0, blocks, block_step, (acc, m, total))
@@ -611,13 +667,13 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
 
         def block_step(block, accs):
             slot = block % SLOTS
-            plgpu.barrier_wait(rows_ready.at[slot])
+            plgpu.barrier_wait(barrier(rows_ready, block, last))
             plgpu.barrier_wait(p_ready.at[slot])
             alpha = program.load_rows_vector(alpha_smem.at[slot])
             p16 = rows_smem.at[slot, :, P_COLUMNS]
             accs = tuple(ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(start, width)])
                          for acc, (start, width) in zip(accs, pieces))
-            plgpu.barrier_arrive(rows_free.at[slot])
+            plgpu.barrier_arrive(barrier(rows_free, block, last))
             return accs
 
         accs = lax.fori_loop(0, blocks, block_step, accs)
@@ -627,11 +683,6 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
             program.finish(acc, total, pl.ds(start, width))
 
 
-# The seesaw's half slots: the first 256 columns of a slot's rows (V's first half) and the rest (V's second half and
-# the rope columns), each gathered, published and freed on its own; and each warpgroup's half of V (and of O).
-HALF_SLOTS = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2))
-HALVES = len(HALF_SLOTS)
-V_HALVES = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, LATENT // 2))
 # The half slots (slot, half) by when their last reader frees them: slot 0's first half by warpgroup 0 after its own
 # P V and slot 1's second half by warpgroup 1 after its own (mid-pair), the others after each warpgroup's P V with the
 # other's P (at the pair's end). Each warpgroup's S of the next pair starts on the half freed mid-pair.

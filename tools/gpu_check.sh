@@ -24,7 +24,8 @@ start=$SECONDS
 tests_status=0
 if [ "${1:-all}" != "checks" ]; then
     # shellcheck disable=SC2086  # the test paths are words
-    python3 -m pytest -q -n "$workers" -p no:cacheprovider --durations=15 ${GPU_CHECK_TESTS:-tests/} 2>&1 \
+    # -v: a line per test as it ends, so that a call cut off at its time limit still names its failures.
+    python3 -m pytest -v -rfE -n "$workers" -p no:cacheprovider --durations=15 ${GPU_CHECK_TESTS:-tests/} 2>&1 \
         | tee "$OUT/gpu_tests.log"
     tests_status=${PIPESTATUS[0]}
     tests="exit $tests_status in $((SECONDS - start)) s: $(tail -1 "$OUT/gpu_tests.log")"

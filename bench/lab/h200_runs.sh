@@ -35,7 +35,8 @@ for what in "$@"; do
     structured_tests) OUT="$OUT/structured_tests" GPU_CHECK_TESTS="tests/engine/test_structured_output.py tests/engine/test_sampling_controls.py tests/engine/test_grammar.py tests/engine/test_llm.py" bash tools/gpu_check.sh tests 2>&1 | tail -5 ;;
     suite) OUT=$OUT bash tools/gpu_check.sh tests > "$OUT/suite_stdout.log" 2>&1; tail -25 "$OUT/gpu_tests.log"; cat "$OUT/summary.txt" ;;
     kernel_checks) OUT="$OUT/kernel_checks" bash tools/gpu_check.sh checks 2>&1 | grep -i "check\|FAIL" | tail -40 ;;
-    # The suite in two calls of about 5 minutes each (whole, it took 596 s of a call's 600 on 2026-12-01).
+    # The suite in two calls of about 5 minutes each (whole, it took 596 s of a call's 600 on 2026-12-01); on a
+    # fresh H100 (empty compilation cache) suite_a did not end in 480 s on 2026-12-05: give each a whole call.
     suite_a) OUT="$OUT/suite_a" GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash "$0" suite ;;
     suite_b) OUT="$OUT/suite_b" GPU_CHECK_TESTS="tests/jaxmodels tests/bridge tests/sharding tests/serve" \
         bash "$0" suite ;;
@@ -216,7 +217,7 @@ runpy.run_module('jaxmodels', run_name='__main__')" "$schedule" bench --no-progr
     mla_seesaw) timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
           tests/pallas_kernels/test_sparse_mla_mosaic.py 2>&1 | tail -4
         SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-400} SPLIT_BATCHES=128 \
-          SPLIT_ONLY=${SPLIT_ONLY:-"compute only;seesaw;seesaw compute;seesaw, S at top"} bash "$0" mla_split ;;
+          SPLIT_ONLY=${SPLIT_ONLY:-"compute only;gathers only;owner halves;seesaw;seesaw compute;L2 hints"} bash "$0" mla_split ;;
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     # Nsight Compute's counters of the sparse MLA decode at B = 128, a launch per tile variant

@@ -40,14 +40,17 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
 
 @needs_mosaic_lowering
 @pytest.mark.parametrize("schedule, hints, seesaw_defaults", [("seesaw", False, True), ("seesaw", True, True),
-                                                             ("seesaw", False, False), ("owner", True, True)])
+                                                             ("seesaw", False, False), ("owner", True, True),
+                                                             ("owner halves", False, True)])
 @pytest.mark.parametrize("T, listed", [(128, False), (1, True)])
 def test_schedules_and_gather_hints_lower_for_the_h200(schedule, hints, seesaw_defaults, T, listed, monkeypatch):
     """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off),
-    as by default and without warpgroup 0's early S nor the mid-pair halves published one by one, and the gather's
-    L2 hints, one program a query's head block and a list split over programs."""
+    as by default and without warpgroup 0's early S nor the mid-pair halves published one by one, the owner
+    schedule on half slots, and the gather's L2 hints, one program a query's head block and a list split over
+    programs."""
     sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
-    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", schedule)
+    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", schedule.split()[0])
+    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_HALF_SLOTS", schedule == "owner halves")
     monkeypatch.setattr(sparse_mla_mosaic, "GATHER_L2_HINTS", hints)
     monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_EARLY_S", seesaw_defaults)
     monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_MID_ALONE", seesaw_defaults)
@@ -149,6 +152,18 @@ def test_compiled_seesaw_schedule_equals_dense_masked_attention(splits, monkeypa
         test_compiled_kernel_walks_only_the_listed_blocks()
 
 
+@needs_mosaic
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1])
+def test_compiled_owner_schedule_on_half_slots_equals_dense_masked_attention(splits, monkeypatch):
+    """The owner schedule with each slot's halves published and freed on their own (`OWNER_HALF_SLOTS`), compiled:
+    the cases of the default's two tests (stopped after 240 s if its barriers deadlock)."""
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "OWNER_HALF_SLOTS", True)
+    with stopped_if_hung(240):
+        test_compiled_kernel_equals_dense_masked_attention(splits)
+        test_compiled_kernel_walks_only_the_listed_blocks()
+
+
 def interpreted(q, cache, idx, listed=None, *, num_splits):
     """The kernel in Mosaic GPU's interpreter with its race detector on (`run_race_checked`), through
     `sparse_mla_attention` as the model calls it."""
@@ -177,6 +192,31 @@ def test_interpreted_kernel_with_a_smaller_share_for_the_softmax_owner(monkeypat
     assert sparse_mla_mosaic.second_pieces() == [(192, 256), (448, 64)]
     check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=2), T=4, H=128, topk=320,
                                   num_pages=8)
+
+
+@needs_mosaic_lowering
+@on_cpu
+@pytest.mark.parametrize("lists, splits", [("dense", 2), ("dense", 1), ("listed", 2)])
+def test_interpreted_owner_schedule_on_half_slots_equals_dense_masked_attention(lists, splits, monkeypatch):
+    """The owner schedule with half slots (`OWNER_HALF_SLOTS`: S over a block's first half issued once it has landed,
+    the first half freed by warpgroup 0 alone, the second by warpgroup 1): the lists of the default's interpreter
+    tests, where the race detector checks that no half is refilled while a warpgroup still reads it."""
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "OWNER_HALF_SLOTS", True)
+    if lists == "dense":
+        check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=splits), T=4, H=128,
+                                      topk=320, num_pages=8)
+    else:
+        check_listed_counts(lambda q, c, i, n: interpreted(q, c, i, n, num_splits=splits), T=6, topk=200,
+                            counts=[200, 1, 0, 65, 64, 130])
+
+
+def test_half_slots_refuse_a_first_half_that_warpgroup_1_reads(monkeypatch):
+    """With half slots warpgroup 0 alone frees a slot's first 256 columns, so warpgroup 1 must not read them."""
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_HALF_SLOTS", True)
+    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_COLUMNS", 192)
+    with pytest.raises(ValueError, match="OWNER_COLUMNS = 256"):
+        sparse_mla_mosaic._owner_parts()
 
 
 @needs_mosaic_lowering
