@@ -23,7 +23,9 @@ config (its own random weights) in a separate process (`jaxmodels.benchmark_tran
 GPU memory, at the sizes it can hold. `--profile DIR` traces a few decode steps at the largest batch and one
 prefill with `jax.profiler` and prints the per-op table (`jaxmodels.profiling`).
 
-The JSON (`--json`) also records how it was made: the command, the commit, the device and the jax version.
+The JSON (`--json`) also records how it was made: the command, the commit, the device and the jax version. It is
+written after the decode and prefill phases too, marked `cut_off_after` the last phase done, so that a run stopped
+by a time limit keeps what it measured; the run's end rewrites it whole, without the mark.
 `--plot DIR` draws its figures and `python -m jaxmodels bench-report` renders saved JSONs as figures and markdown
 tables (jaxmodels.benchmark_report).
 
@@ -592,13 +594,18 @@ def main(argv=None, prog: str | None = None) -> None:
           f"of {weights} weights, {args.dtype} activations) on {device.device_kind}; ready in "
           f"{results['ready_s']:.1f} s, every bucket compiled in {results['compile_s']:.1f} s")
 
+    on_mesh = args.dp * args.tp > 1
     if "decode" in phases:
         results["decode"] = [decode_phase(llm, costs, b, args.prompt_len, args.decode_steps, vocab, rng, sampling)
                              for b in args.batches for sampling in args.sampling]
+        without_floors_on_a_mesh(results["decode"], on_mesh, "floor_ms", "floor_tok_s", "of_floor")
+        write_partial(args.json, results, "decode")
     if "prefill" in phases:
         results["prefill_sweep"] = [prefill_phase(llm, costs, length, vocab, rng) for length in args.prefill_len]
+        without_floors_on_a_mesh(results["prefill_sweep"], on_mesh, "floor_ms", "of_floor")
         # The longest prompt's row under the key readers of a single length know.
         results["prefill"] = max(results["prefill_sweep"], key=lambda row: row["tokens"])
+        write_partial(args.json, results, "prefill")
     if "serve" in phases:
         results["serve"] = [serve_phase(llm, args.serve, args.serve_in, args.serve_out, rate, vocab, rng,
                                         not args.no_progress)
@@ -608,17 +615,9 @@ def main(argv=None, prog: str | None = None) -> None:
     # what serving holds (weights, pools, the compiled programs' buffers) is what is in use after the phases.
     results["peak_memory_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
     results["memory_in_use_gb"] = stats.get("bytes_in_use", 0) / 1e9
-    if args.dp * args.tp > 1:
-        # The floors count one device's traffic; a mesh splits it unevenly (experts over every device, attention,
-        # Mamba and their caches over the dp groups), so no one-device floor applies.
-        for row in results.get("decode", []):
-            row.update(floor_ms="-", floor_tok_s="-", of_floor="-")
-        for row in results.get("prefill_sweep", []):
-            row.update(floor_ms="-", of_floor="-")
     report(results)
     if args.json:  # before profiling: a long profile must not cost the measurements
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     if args.plot:
         from jaxmodels.benchmark_report import plot_results
 
@@ -626,6 +625,28 @@ def main(argv=None, prog: str | None = None) -> None:
             print(f"figure: {path}")
     if args.profile:
         profile_phases(llm, args, phases, vocab, rng, args.profile)
+
+
+def without_floors_on_a_mesh(rows: list[dict], on_mesh: bool, *keys: str) -> None:
+    """The floors count one device's traffic; a mesh splits it unevenly (experts over every device, attention, Mamba
+    and their caches over the dp groups), so no one-device floor applies there: '-'."""
+    if on_mesh:
+        for row in rows:
+            row.update(dict.fromkeys(keys, "-"))
+
+
+def write_json(path: str, results: dict) -> None:
+    """`results` to `path`, whole or not at all (a run killed while writing leaves the last complete file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def write_partial(path: str | None, results: dict, phase: str) -> None:
+    """What is measured so far, marked with the last phase done (`cut_off_after`): a run stopped by a time limit
+    keeps it. The run's end writes the whole results without the mark."""
+    if path:
+        write_json(path, {**results, "cut_off_after": phase})
 
 
 def report(results: dict) -> None:

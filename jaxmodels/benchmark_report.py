@@ -228,7 +228,9 @@ def provenance_line(results: dict) -> str:
     if results.get("date"):
         where.append(results["date"])
     weights = f"{results['weights']} weights, " if results.get("weights") else ""
-    return f"{command} {', '.join(where)} ({weights}{results.get('dtype', '?')} activations)"
+    cut_off = (f"; the run was cut off after its {results['cut_off_after']} phase" if results.get("cut_off_after")
+               else "")
+    return f"{command} {', '.join(where)} ({weights}{results.get('dtype', '?')} activations{cut_off})"
 
 
 def cell(value, spec: str) -> str:

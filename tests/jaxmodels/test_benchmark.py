@@ -30,6 +30,7 @@ def test_benchmark_reports_every_phase(bench_run):
     assert data["serve"][0]["out_tok_s"] > 0
     assert [row["batch"] for row in data["transformers"]["decode"]] == [1, 4]
     assert "### serving run" in out
+    assert "cut_off_after" not in data  # the run's end rewrote the partial JSON whole
     printed = [line for line in out.strip().splitlines() if not line.startswith("figure: ")]  # --plot's paths
     assert printed[-1].startswith("headline: decode B=4")
 
@@ -51,6 +52,31 @@ def test_profile_covers_only_the_measured_phases(tmp_path, capsys, launch_thread
     assert data["decode"][0]["batch"] == 2 and data["prefix_caching"] == ("--no-prefix-caching" not in launch_thread)
     assert "## profile: decode B=2" in out
     assert "## profile: prefill" not in out
+
+
+def test_a_run_cut_off_keeps_the_phases_it_measured(tmp_path, monkeypatch):
+    """The JSON is written after the decode and prefill phases, marked with the last one done: a run stopped during
+    the serving phase (as by a device call's time limit) leaves both phases' rows, and bench-report says it was cut
+    off."""
+    from jaxmodels import benchmark
+    from jaxmodels.benchmark_report import provenance_line
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt("the time limit")
+
+    monkeypatch.setattr(benchmark, "serve_phase", stopped)
+    config, results = tmp_path / "config.json", tmp_path / "results.json"
+    config.write_text(json.dumps(TINY))
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "--config", str(config), "--layers", "2", "--batches", "2", "--prompt-len", "8",
+              "--decode-steps", "4", "--prefill-len", "16", "--dtype", "float32", "--no-progress",
+              "--json", str(results)])
+    data = json.loads(results.read_text())
+    assert data["cut_off_after"] == "prefill"
+    assert [row["batch"] for row in data["decode"]] == [2] and data["prefill"]["tokens"] == 16
+    assert "serve" not in data
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.json", "results.json"]  # no .tmp left
+    assert provenance_line(data).endswith("; the run was cut off after its prefill phase)")
 
 
 TINY_DSA = TINY_CONFIGS["deepseek_v32"]
