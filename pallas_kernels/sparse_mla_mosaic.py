@@ -56,9 +56,10 @@ reader is at the end of a pair (the other warpgroup's P V) or the middle, so the
 gathered only at the pair's end: a gather's latency is exposed once a pair, where this schedule gathers a block
 ahead. Not yet timed on the H200.
 
-`OWNER_HALF_SLOTS` (off: not yet timed on a GPU) runs this schedule on the seesaw's half slots: S starts on a
-block's first half while its second lands, and warpgroup 0 frees the first half after its own P V, so that the next
-gather into the slot starts before warpgroup 1 is done. With it off the kernel's SASS is unchanged.
+`OWNER_SLOT_PARTS` = 2 or 4 (1 by default: not yet timed on a GPU) runs this schedule on parts of a slot, each
+gathered, published and freed on its own: S starts on a block's first part while the others land, and warpgroup 0
+frees the first 256 columns after its own P V, so that the next gather into them starts before warpgroup 1 is done.
+With 1 the kernel's SASS is as before the parts were written.
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
 (`tools/aot_h200.py`) then reports 28 bytes of spills, where 232 each spilled 136 (warpgroup 0's loop-invariant
@@ -496,26 +497,33 @@ def _online_softmax(s, m, m_new, total):
 
 
 # Half slots: the first 256 columns of a slot's rows (V's first half) and the rest (V's second half and the rope
-# columns), each gathered, published and freed on its own (the seesaw, and the owner schedule with OWNER_HALF_SLOTS);
-# and each warpgroup's half of V (and of O).
+# columns), each gathered, published and freed on its own by the seesaw; and each warpgroup's half of V (and of O).
 HALF_SLOTS = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2))
 HALVES = len(HALF_SLOTS)
 V_HALVES = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, LATENT // 2))
-# The owner schedule with half slots: warpgroup 0's S starts on a block's first half while its second is still
-# landing, and frees the first half (its only reader then) after its own P V, so that the next gather into the slot
-# starts without waiting for warpgroup 1's. Needs OWNER_COLUMNS = 256: warpgroup 1 then reads the second half only.
-OWNER_HALF_SLOTS = False
+# The parts of a slot's rows that the owner schedule gathers, publishes and frees on their own: 1 (the whole row), 2
+# (the halves) or 4 (each half in two). With parts, warpgroup 0's S starts on a block's first part while the others
+# land, and each part is freed by its one reader of V: warpgroup 0 frees the first 256 columns after its own P V, so
+# that the next gather into them starts without waiting for warpgroup 1's. Parts need OWNER_COLUMNS = 256.
+OWNER_SLOT_PARTS = 1
 
 
-def _owner_parts() -> tuple:
-    """The parts of a slot that the owner schedule gathers, publishes and frees on their own: the whole row (None),
-    or its two halves."""
-    if not OWNER_HALF_SLOTS:
-        return (None,)
+def _owner_parts() -> list[tuple]:
+    """The owner schedule's parts of a slot (`OWNER_SLOT_PARTS`) as (columns, the warpgroup that frees them):
+    [(None, None)] for the whole row, which both free."""
+    if OWNER_SLOT_PARTS == 1:
+        return [(None, None)]
+    if OWNER_SLOT_PARTS not in (2, 4):
+        raise ValueError(f"OWNER_SLOT_PARTS is 1, 2 or 4, not {OWNER_SLOT_PARTS}")
     if OWNER_COLUMNS != LATENT // 2:
-        raise ValueError(f"OWNER_HALF_SLOTS needs OWNER_COLUMNS = {LATENT // 2}, not {OWNER_COLUMNS}: warpgroup 1 "
-                         "would read the first half, which warpgroup 0 frees alone")
-    return HALF_SLOTS
+        raise ValueError(f"OWNER_SLOT_PARTS > 1 needs OWNER_COLUMNS = {LATENT // 2}, not {OWNER_COLUMNS}: warpgroup "
+                         "1 would read columns that warpgroup 0 frees alone")
+    parts = []
+    for reader, (first, end) in enumerate([(0, LATENT // 2), (LATENT // 2, WIDTH)]):  # in whole 64-column tiles
+        tiles = range(first // TILE_COLUMNS, end // TILE_COLUMNS)
+        for group in np.array_split(tiles, OWNER_SLOT_PARTS // 2):
+            parts.append((pl.ds(int(group[0]) * TILE_COLUMNS, len(group) * TILE_COLUMNS), reader))
+    return parts
 
 
 def _owner_scratch(plgpu, tiles):
@@ -525,9 +533,9 @@ def _owner_scratch(plgpu, tiles):
             plgpu.SMEM((SLOTS, HEADS), jnp.float32),
             plgpu.SMEM((1, HEADS), jnp.float32),
             # rows_ready[slot * parts + part]: the producer's arrival; rows_free: the part's last readers', both
-            # compute warpgroups for a whole row, warpgroup 0 for the first half and 1 for the second.
-            (plgpu.Barrier(num_barriers=SLOTS * len(_owner_parts())),
-             plgpu.Barrier(num_arrivals=3 - len(_owner_parts()), num_barriers=SLOTS * len(_owner_parts())),
+            # compute warpgroups for a whole row, else the one that reads the part's V columns (`_owner_parts`).
+            (plgpu.Barrier(num_barriers=SLOTS * OWNER_SLOT_PARTS),
+             plgpu.Barrier(num_arrivals=2 if OWNER_SLOT_PARTS == 1 else 1, num_barriers=SLOTS * OWNER_SLOT_PARTS),
              plgpu.Barrier(num_barriers=SLOTS),  # p_ready: warpgroup 0's P and rescale of the slot's block
              plgpu.Barrier(),  # q_ready (TMA)
              plgpu.Barrier()))  # done: warpgroup 0's row sums are in stats_smem
@@ -540,13 +548,17 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
     ops, plgpu, blocks = program.ops, program.plgpu, program.blocks
     wg = program.wg()
     parts = _owner_parts()
-    last = len(parts) - 1  # the part that brings the slot's indices, and that warpgroup 1 frees
+    last = len(parts) - 1  # the part that brings the slot's indices (S waits for it last)
 
     def barrier(array, block, part):
         return array.at[(block % SLOTS) * len(parts) + part]
 
     def columns(ref, part):
-        return ref if parts[part] is None else ref.at[:, parts[part]]
+        return ref if parts[part][0] is None else ref.at[:, parts[part][0]]
+
+    def freed_by(reader):
+        """The parts that warpgroup `reader` frees (each once a block)."""
+        return [part for part, (_, freer) in enumerate(parts) if freer in (reader, None)]
 
     @pl.when(wg == 2)
     def _producer():
@@ -564,7 +576,7 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
         def gather(block, keys, part):
             slot = block % SLOTS
             program.gather(block, keys, rows_smem.at[slot], index_smem.at[slot] if part == last else None,
-                           parts[part])
+                           parts[part][0])
 
         def keys_of(block):
             # A block's keys are loaded a block ahead of its gather, so that the gather's copies go out without
@@ -648,7 +660,8 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[slot])
             acc = ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(0, OWNER_COLUMNS)])
-            plgpu.barrier_arrive(barrier(rows_free, block, 0))
+            for part in freed_by(0):
+                plgpu.barrier_arrive(barrier(rows_free, block, part))
             return acc, m_new, total
 
         acc, m, total = lax.fori_loop(0, blocks, block_step, (acc, m, total))
@@ -667,13 +680,15 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
 
         def block_step(block, accs):
             slot = block % SLOTS
-            plgpu.barrier_wait(barrier(rows_ready, block, last))
+            for part in freed_by(1):  # the parts it reads
+                plgpu.barrier_wait(barrier(rows_ready, block, part))
             plgpu.barrier_wait(p_ready.at[slot])
             alpha = program.load_rows_vector(alpha_smem.at[slot])
             p16 = rows_smem.at[slot, :, P_COLUMNS]
             accs = tuple(ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(start, width)])
                          for acc, (start, width) in zip(accs, pieces))
-            plgpu.barrier_arrive(barrier(rows_free, block, last))
+            for part in freed_by(1):
+                plgpu.barrier_arrive(barrier(rows_free, block, part))
             return accs
 
         accs = lax.fori_loop(0, blocks, block_step, accs)
