@@ -59,7 +59,9 @@ ahead. Not yet timed on the H200.
 `OWNER_SLOT_PARTS` = 2 or 4 (1 by default: not yet timed on a GPU) runs this schedule on parts of a slot, each
 gathered, published and freed on its own: S starts on a block's first part while the others land, and warpgroup 0
 frees the first 256 columns after its own P V, so that the next gather into them starts before warpgroup 1 is done.
-With 1 the kernel's SASS is as before the parts were written.
+`OWNER_EARLY_S` (off: not yet timed) has warpgroup 0 issue the next block's S right behind its P V, as the seesaw
+does, with P read from shared memory; it compiles with 20 bytes of spill stores and 40 of loads (28 and 16 without).
+With both at their defaults the kernel's SASS is as before they were written.
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
 (`tools/aot_h200.py`) then reports 28 bytes of spills, where 232 each spilled 136 (warpgroup 0's loop-invariant
@@ -506,6 +508,9 @@ V_HALVES = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, LATENT // 2))
 # land, and each part is freed by its one reader of V: warpgroup 0 frees the first 256 columns after its own P V, so
 # that the next gather into them starts without waiting for warpgroup 1's. Parts need OWNER_COLUMNS = 256.
 OWNER_SLOT_PARTS = 1
+# Warpgroup 0 issues the next block's S right behind its P V of this one, as the seesaw does (`SEESAW_EARLY_S`),
+# rather than after that P V is done: the tensor cores do not drain between the blocks.
+OWNER_EARLY_S = False
 
 
 def _owner_parts() -> list[tuple]:
@@ -545,7 +550,10 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
     """Warpgroup 0 owns the softmax (S, the online softmax and O[:, :OWNER_COLUMNS]); warpgroup 1 adds P V into the
     other columns; the producer gathers a block a slot (module docstring), in `_owner_parts`."""
     rows_ready, rows_free, p_ready, q_ready, done = barriers
-    ops, plgpu, blocks = program.ops, program.plgpu, program.blocks
+    ops, plgpu = program.ops, program.plgpu
+    # With OWNER_EARLY_S a split with no keys walks one block of none (masked: zeros out, as with none walked), so
+    # that the S issued before warpgroup 0's loop has its block.
+    blocks = program.blocks + (program.blocks == 0) if OWNER_EARLY_S else program.blocks
     wg = program.wg()
     parts = _owner_parts()
     last = len(parts) - 1  # the part that brings the slot's indices (S waits for it last)
@@ -639,16 +647,26 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
         total = program.rows_vector(jnp.zeros((HEADS,), jnp.float32))
         acc = ops.with_layout(jnp.zeros((HEADS, OWNER_COLUMNS), jnp.float32), plgpu.Layout.WGMMA)
 
-        def block_step(block, carry):
-            acc, m, total = carry
+        def score_parts(block):
+            """The products that sum to `block`'s S, each issued once its part has landed."""
             slot = block % SLOTS
-            if len(parts) == 1:
+            return [(functools.partial(plgpu.barrier_wait, barrier(rows_ready, block, part)),
+                     columns(q_smem, part), columns(rows_smem.at[slot], part)) for part in range(len(parts))]
+
+        def free_own_parts(block):
+            for part in freed_by(0):
+                plgpu.barrier_arrive(barrier(rows_free, block, part))
+
+        def block_step(block, carry, *, issue_next=False):
+            """A block. With OWNER_EARLY_S the carry's last item is its S (unmasked), and with `issue_next` the next
+            block's comes back there (else None)."""
+            acc, m, total, s = carry
+            slot = block % SLOTS
+            if s is None and len(parts) == 1:
                 plgpu.barrier_wait(barrier(rows_ready, block, 0))
                 s = ops.matmul_transposed(q_smem, rows_smem.at[slot])
-            else:  # each half's product issued once it has landed
-                s = ops.matmul_transposed_sum([
-                    (functools.partial(plgpu.barrier_wait, barrier(rows_ready, block, part)),
-                     columns(q_smem, part), columns(rows_smem.at[slot], part)) for part in range(len(parts))])
+            elif s is None:
+                s = ops.matmul_transposed_sum(score_parts(block))
             s = program.masked_scores(s, index_smem.at[slot], block)
             m_new = jnp.maximum(m, s.max(axis=1))
             p, alpha, total = _online_softmax(s, m, m_new, total)
@@ -659,12 +677,27 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
             alpha_smem[slot] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[slot])
-            acc = ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(0, OWNER_COLUMNS)])
-            for part in freed_by(0):
-                plgpu.barrier_arrive(barrier(rows_free, block, part))
-            return acc, m_new, total
+            own_values = rows_smem.at[slot, :, pl.ds(0, OWNER_COLUMNS)]
+            if issue_next:
+                # The next block's S goes to the tensor cores right behind this P V (P from shared memory: a
+                # register operand would have to stay untouched until its wgmma is done), so that they do not
+                # drain between them; the next block's rows came with the other slot.
+                acc, s_next = ops.accumulate_then_matmul_transposed(
+                    _rescale(acc, alpha), (lambda: None, rows_smem.at[slot, :, P_COLUMNS], own_values,
+                                           functools.partial(free_own_parts, block)),
+                    score_parts(block + 1))
+                return acc, m_new, total, s_next
+            acc = ops.accumulate(_rescale(acc, alpha), p16, own_values)
+            free_own_parts(block)
+            return acc, m_new, total, None
 
-        acc, m, total = lax.fori_loop(0, blocks, block_step, (acc, m, total))
+        if OWNER_EARLY_S:
+            # The first block's S before the loop, the last block, which issues no next S, after it.
+            carry = (acc, m, total, ops.matmul_transposed_sum(score_parts(0)))
+            carry = lax.fori_loop(0, blocks - 1, functools.partial(block_step, issue_next=True), carry)
+            acc, m, total, _ = block_step(blocks - 1, carry)
+        else:
+            acc, m, total, _ = lax.fori_loop(0, blocks, block_step, (acc, m, total, None))
         stats_smem[0] = total
         plgpu.commit_smem()
         plgpu.barrier_arrive(done)

@@ -8,7 +8,8 @@ computes S and the softmax, so its chain is the longer one; warpgroup 1 takes th
 (`_seesaw_schedule`: each warpgroup computes S for every other block), whole and its compute alone, then with
 warpgroup 0's S issued at the top of each pair instead of behind its last P V (`SEESAW_EARLY_S`), and with the
 halves freed mid-pair published together instead of one by one (`SEESAW_MID_ALONE`); the kernel's schedule on 2
-and 4 parts of a slot (`OWNER_SLOT_PARTS`: S starts on a block's first part while the others land); and both
+and 4 parts of a slot (`OWNER_SLOT_PARTS`: S starts on a block's first part while the others land), with
+warpgroup 0's next S issued behind its P V (`OWNER_EARLY_S`; also with 2 parts, and its compute alone); and both
 schedules with FlashMLA's L2 hints on the gather's copies (`GATHER_L2_HINTS`). Each variant that computes the whole
 product gives its RMS difference from the kernel's output. B = 32 / 128 queries, top-2048, 128 heads, dsa_kernels'
 timing.
@@ -81,6 +82,9 @@ def main():
             ("seesaw, mid paired", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_MID_ALONE=False)),
             ("owner 2 parts", KERNEL_OPS, dict(OWNER_SLOT_PARTS=2)),
             ("owner 4 parts", KERNEL_OPS, dict(OWNER_SLOT_PARTS=4)),
+            ("owner early S", KERNEL_OPS, dict(OWNER_EARLY_S=True)),
+            ("owner early S, 2 parts", KERNEL_OPS, dict(OWNER_EARLY_S=True, OWNER_SLOT_PARTS=2)),
+            ("owner early S compute", ComputeOnly, dict(OWNER_EARLY_S=True)),
             ("L2 hints", KERNEL_OPS, dict(GATHER_L2_HINTS=True)),
             ("seesaw, L2 hints", KERNEL_OPS, dict(SCHEDULE="seesaw", GATHER_L2_HINTS=True))]
         if args.only:

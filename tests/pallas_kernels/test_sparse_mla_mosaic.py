@@ -42,16 +42,19 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
 @pytest.mark.parametrize("schedule, hints, seesaw_defaults", [("seesaw", False, True), ("seesaw", True, True),
                                                              ("seesaw", False, False), ("owner", True, True),
                                                              ("owner 2 parts", False, True),
-                                                             ("owner 4 parts", False, True)])
+                                                             ("owner 4 parts", False, True),
+                                                             ("owner 1 early", False, True),
+                                                             ("owner 2 early", False, True)])
 @pytest.mark.parametrize("T, listed", [(128, False), (1, True)])
 def test_schedules_and_gather_hints_lower_for_the_h200(schedule, hints, seesaw_defaults, T, listed, monkeypatch):
     """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off),
     as by default and without warpgroup 0's early S nor the mid-pair halves published one by one, the owner
-    schedule on parts of a slot, and the gather's L2 hints, one program a query's head block and a list split over
-    programs."""
+    schedule on parts of a slot and with warpgroup 0's next S behind its P V, and the gather's L2 hints, one program
+    a query's head block and a list split over programs."""
     sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
     monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", schedule.split()[0])
     monkeypatch.setattr(sparse_mla_mosaic, "OWNER_SLOT_PARTS", int(schedule.split()[1]) if " " in schedule else 1)
+    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_EARLY_S", schedule.endswith("early"))
     monkeypatch.setattr(sparse_mla_mosaic, "GATHER_L2_HINTS", hints)
     monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_EARLY_S", seesaw_defaults)
     monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_MID_ALONE", seesaw_defaults)
@@ -155,11 +158,15 @@ def test_compiled_seesaw_schedule_equals_dense_masked_attention(splits, monkeypa
 
 @needs_mosaic
 @pytest.mark.gpu
-@pytest.mark.parametrize("parts, splits", [(2, None), (2, 1), (4, None)])
-def test_compiled_owner_schedule_on_parts_of_a_slot_equals_dense_masked_attention(parts, splits, monkeypatch):
-    """The owner schedule with each slot's parts published and freed on their own (`OWNER_SLOT_PARTS`), compiled:
-    the cases of the default's two tests (stopped after 240 s if its barriers deadlock)."""
-    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "OWNER_SLOT_PARTS", parts)
+@pytest.mark.parametrize("parts, early_s, splits", [(2, False, None), (2, False, 1), (4, False, None),
+                                                    (1, True, None), (1, True, 1), (2, True, None)])
+def test_compiled_owner_schedule_variants_equal_dense_masked_attention(parts, early_s, splits, monkeypatch):
+    """The owner schedule with each slot's parts published and freed on their own (`OWNER_SLOT_PARTS`) and with
+    warpgroup 0's next S behind its P V (`OWNER_EARLY_S`), compiled: the cases of the default's two tests (stopped
+    after 240 s if its barriers deadlock)."""
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_SLOT_PARTS", parts)
+    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_EARLY_S", early_s)
     with stopped_if_hung(240):
         test_compiled_kernel_equals_dense_masked_attention(splits)
         test_compiled_kernel_walks_only_the_listed_blocks()
@@ -197,14 +204,20 @@ def test_interpreted_kernel_with_a_smaller_share_for_the_softmax_owner(monkeypat
 
 @needs_mosaic_lowering
 @on_cpu
-@pytest.mark.parametrize("parts, lists, splits", [(2, "dense", 2), (2, "dense", 1), (2, "listed", 2),
-                                                  (4, "dense", 2), (4, "listed", 2)])
-def test_interpreted_owner_schedule_on_parts_of_a_slot_equals_dense_masked_attention(parts, lists, splits,
-                                                                                     monkeypatch):
+@pytest.mark.parametrize("parts, early_s, lists, splits", [
+    (2, False, "dense", 2), (2, False, "dense", 1), (2, False, "listed", 2), (4, False, "dense", 2),
+    (4, False, "listed", 2), (1, True, "dense", 2), (1, True, "dense", 1), (1, True, "listed", 2),
+    (2, True, "dense", 2), (2, True, "listed", 2)])
+def test_interpreted_owner_schedule_variants_equal_dense_masked_attention(parts, early_s, lists, splits,
+                                                                          monkeypatch):
     """The owner schedule on parts of a slot (`OWNER_SLOT_PARTS`: S's product over each part issued once it has
-    landed, the first 256 columns freed by warpgroup 0 alone, the rest by warpgroup 1): the lists of the default's
-    interpreter tests, where the race detector checks that no part is refilled while a warpgroup still reads it."""
-    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "OWNER_SLOT_PARTS", parts)
+    landed, the first 256 columns freed by warpgroup 0 alone, the rest by warpgroup 1) and with warpgroup 0's next S
+    issued behind its P V (`OWNER_EARLY_S`; a split with no keys then walks one block of none): the lists of the
+    default's interpreter tests, where the race detector checks that no part is refilled while a warpgroup still
+    reads it."""
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_SLOT_PARTS", parts)
+    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_EARLY_S", early_s)
     if lists == "dense":
         check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=splits), T=4, H=128,
                                       topk=320, num_pages=8)
