@@ -1,6 +1,7 @@
 """Where the Mosaic sparse MLA decode kernel's time goes, by taking parts out (issue 42): the whole kernel, its
 compute alone (the producer gathers nothing, so each block is published at once and the warpgroups compute on
-whatever the slots hold) and its gathers alone (no wgmma: S is zeros and P V adds nothing; the softmax and P's
+whatever the slots hold), its gathers unwaited for (each block published while its rows are in flight: their
+traffic without their latency) and its gathers alone (no wgmma: S is zeros and P V adds nothing; the softmax and P's
 stores stay). If the whole kernel takes about as long as one part, that part sets the pace; if it takes about
 their sum, the two do not overlap. Then the whole kernel with warpgroup 0's share of the value columns cut (it also
 computes S and the softmax, so its chain is the longer one; warpgroup 1 takes the rest): 256 (the kernel's), 192 and
@@ -45,6 +46,16 @@ class ComputeOnly(KERNEL_OPS):
         del cache_gmem, indices_gmem, start, keys, rows_ref, index_ref, columns
 
 
+class GathersUnwaited(KERNEL_OPS):
+    """The rows copied but never waited for: each block is published at once, while its copies are in flight (the
+    output is wrong). Beside the whole kernel and its compute alone, it tells the gathers' traffic (the copies'
+    writes to shared memory beside wgmma's reads, DRAM) from their latency: as slow as the whole kernel, the traffic
+    costs; as fast as the compute alone, the wait for the rows does."""
+
+    def wait_for_gathers(self, pending: int):
+        del pending
+
+
 class GathersOnly(KERNEL_OPS):
     """No tensor-core work: S is zeros and P V leaves the accumulator as it is."""
 
@@ -73,7 +84,7 @@ def main():
                     for i in range(sets_for(floor, bytes_))]
         n = jnp.full((B,), k, jnp.int32)
         variants = [("whole kernel", KERNEL_OPS, {}), ("compute only", ComputeOnly, {}),
-                    ("gathers only", GathersOnly, {})] + [
+                    ("gathers unwaited", GathersUnwaited, {}), ("gathers only", GathersOnly, {})] + [
             (f"wg0 {columns} columns", KERNEL_OPS,
              dict(OWNER_COLUMNS=columns, OWNER_REGISTERS=owner, SECOND_REGISTERS=second))
             for columns, owner, second in COLUMN_SPLITS] + [
