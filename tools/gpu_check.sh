@@ -7,17 +7,23 @@
 #   bash tools/gpu_check.sh checks     # kernel checks only
 #   GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash tools/gpu_check.sh tests   # a part of the suite
 #
-# On one H200 (16 cores) the suite runs in 8 workers sharing the GPU: JAX allocates GPU memory as it needs it
-# instead of preallocating 75% per process, XLA's compilations go to a persistent cache, and torch (CPU, for the
-# parity references) keeps to two threads per worker. The server's tests need packages the machine lacks: carry
-# .whl (made here by tools/gpu_wheels.sh) in the call, or tests/serve skips.
+# On one H200 (16 cores) the suite runs in 8 workers sharing the GPU (5 on an H100: see `workers` below): JAX
+# allocates GPU memory as it needs it instead of preallocating 75% per process, XLA's compilations go to a
+# persistent cache, and torch (CPU, for the parity references) keeps to two threads per worker. The server's tests
+# need packages the machine lacks: carry .whl (made here by tools/gpu_wheels.sh) in the call, or tests/serve skips.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=2
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxmodels-jax-cache}
-workers=${GPU_CHECK_WORKERS:-8}
+# Workers share the card's memory with nothing reserved, so their number follows its size: 8 on an H200 (141 GB),
+# 5 on an H100 (80 GB), where 8 ran three compiled-kernel tests out of memory beside the long-context engine tests
+# (2026-12-05; each passed alone).
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+default_workers=$(( ${gpu_mib:-0} / 15360 )); (( default_workers > 8 )) && default_workers=8
+(( default_workers < 1 )) && default_workers=8  # no nvidia-smi: the suite's CPU half, as before
+workers=${GPU_CHECK_WORKERS:-$default_workers}
 bash tools/install_wheels.sh  # the server's packages, where .whl/ was carried (tools/gpu_wheels.sh)
 
 start=$SECONDS
