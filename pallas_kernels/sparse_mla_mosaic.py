@@ -35,8 +35,8 @@ Warpgroup 0 issues 3.4 M of the 4.5 M multiply-adds a block. FlashMLA balances t
 computes S ("seesaw"), which needs each warpgroup's softmax to wait for the other's row maxima; this first form
 keeps one owner of the softmax state and relies on warpgroup 1's products filling the tensor cores while warpgroup 0
 runs its softmax. At B = 128 on the H200 that leaves the tensor pipe busy 53% of the time, with DRAM at 31% of its
-peak and L2 at 53% (Nsight Compute, `bash bench/lab/h200_runs.sh mla_ncu_mosaic`): the next step is more overlap
-in warpgroup 0. The next block's S issued before this block's softmax would need a third row slot (with two, that
+peak and L2 at 53% (Nsight Compute, `bash bench/lab/h200_runs.sh mla_ncu_mosaic`). More overlap in warpgroup 0
+(the seesaw, the slot in parts, an early S: below) has not paid. The next block's S issued before this block's softmax would need a third row slot (with two, that
 block's rows could only be gathered once the slot of the block before was free, just before they are needed), and
 shared memory holds two: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own, of the H200's
 227).
@@ -49,19 +49,21 @@ reduction scratch is off. As in FlashMLA, warpgroup 0 issues the next pair's S b
 that the tensor cores do not drain between them (`SEESAW_EARLY_S`), and the half that S starts on is published as
 soon as it has landed (`SEESAW_MID_ALONE`; FlashMLA's copies arrive on their barrier themselves,
 `cp.async.mbarrier.arrive.noinc`, which Pallas has no way to emit). It passes the interpreter's tests and its
-compiled ones on an H100, with no spills in the compute warpgroups at 232 / 232 / 40 registers, and loses: on an H100
-at B = 128 (`bash bench/lab/h200_runs.sh mla_seesaw` at acb2037, one run) its compute alone is faster than this
-schedule's (0.130 against 0.145 ms) but the whole kernel slower (0.193 against 0.174). Every half slot's last
-reader is at the end of a pair (the other warpgroup's P V) or the middle, so the next pair's S waits for a half
-gathered only at the pair's end: a gather's latency is exposed once a pair, where this schedule gathers a block
-ahead. Not yet timed on the H200.
+compiled ones on an H100, with no spills in the compute warpgroups at 232 / 232 / 40 registers, and loses: on an
+H100 at B = 128 (`bash bench/lab/h200_runs.sh mla_seesaw` at acb2037 and 03bb1d8, one run each) its compute alone is
+faster than this schedule's (0.130 against 0.145 ms) but the whole kernel slower (0.193 / 0.192 against 0.174 /
+0.171). Every half slot's last reader is at the end of a pair (the other warpgroup's P V) or the middle, so the next
+pair's S waits for a half gathered only at the pair's end: a gather's latency is exposed once a pair, where this
+schedule gathers a block ahead. Not yet timed on the H200.
 
-`OWNER_SLOT_PARTS` = 2 or 4 (1 by default: not yet timed on a GPU) runs this schedule on parts of a slot, each
-gathered, published and freed on its own: S starts on a block's first part while the others land, and warpgroup 0
-frees the first 256 columns after its own P V, so that the next gather into them starts before warpgroup 1 is done.
-`OWNER_EARLY_S` (off: not yet timed) has warpgroup 0 issue the next block's S right behind its P V, as the seesaw
-does, with P read from shared memory; it compiles with 20 bytes of spill stores and 40 of loads (28 and 16 without).
-With both at their defaults the kernel's SASS is as before they were written.
+Variants of this schedule measured and removed (one run each, H100, B = 128, `bash bench/lab/h200_runs.sh
+mla_seesaw` at 03bb1d8 against 0.171 ms for this schedule; the code is in 03bb1d8): the slot in 2 or 4 parts, each
+gathered, published and freed on its own so that S starts on a block's first part (0.175 / 0.172 ms); warpgroup 0
+issuing the next block's S right behind its P V (0.179; with 2 parts 0.172). The rows copied but never waited for
+take as long as the whole kernel (0.172), where the compute alone takes 0.145 and the gathers alone 0.137: what the
+kernel loses to its gathers is their traffic beside the tensor cores' reads, not their latency, so reordering the
+waits cannot win it back. The one setting ahead was warpgroup 0 on 192 of the value columns (`OWNER_COLUMNS`, 240 /
+224 registers): 0.168, 2%, one run.
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
 (`tools/aot_h200.py`) then reports 28 bytes of spills, where 232 each spilled 136 (warpgroup 0's loop-invariant
@@ -79,7 +81,6 @@ and log-sum-exp, combined in XLA by `sparse_mla_attention._combine_splits`, as i
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -498,50 +499,14 @@ def _online_softmax(s, m, m_new, total):
     return p, alpha, total * alpha + p.sum(axis=1)
 
 
-# Half slots: the first 256 columns of a slot's rows (V's first half) and the rest (V's second half and the rope
-# columns), each gathered, published and freed on its own by the seesaw; and each warpgroup's half of V (and of O).
-HALF_SLOTS = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2))
-HALVES = len(HALF_SLOTS)
-V_HALVES = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, LATENT // 2))
-# The parts of a slot's rows that the owner schedule gathers, publishes and frees on their own: 1 (the whole row), 2
-# (the halves) or 4 (each half in two). With parts, warpgroup 0's S starts on a block's first part while the others
-# land, and each part is freed by its one reader of V: warpgroup 0 frees the first 256 columns after its own P V, so
-# that the next gather into them starts without waiting for warpgroup 1's. Parts need OWNER_COLUMNS = 256.
-OWNER_SLOT_PARTS = 1
-# Warpgroup 0 issues the next block's S right behind its P V of this one, as the seesaw does (`SEESAW_EARLY_S`),
-# rather than after that P V is done: the tensor cores do not drain between the blocks.
-OWNER_EARLY_S = False
-
-
-def _owner_parts() -> list[tuple]:
-    """The owner schedule's parts of a slot (`OWNER_SLOT_PARTS`) as (columns, the warpgroup that frees them):
-    [(None, None)] for the whole row, which both free."""
-    if OWNER_SLOT_PARTS == 1:
-        return [(None, None)]
-    if OWNER_SLOT_PARTS not in (2, 4):
-        raise ValueError(f"OWNER_SLOT_PARTS is 1, 2 or 4, not {OWNER_SLOT_PARTS}")
-    if OWNER_COLUMNS != LATENT // 2:
-        raise ValueError(f"OWNER_SLOT_PARTS > 1 needs OWNER_COLUMNS = {LATENT // 2}, not {OWNER_COLUMNS}: warpgroup "
-                         "1 would read columns that warpgroup 0 frees alone")
-    parts = []
-    for reader, (first, end) in enumerate([(0, LATENT // 2), (LATENT // 2, WIDTH)]):  # in whole 64-column tiles
-        tiles = range(first // TILE_COLUMNS, end // TILE_COLUMNS)
-        for group in np.array_split(tiles, OWNER_SLOT_PARTS // 2):
-            parts.append((pl.ds(int(group[0]) * TILE_COLUMNS, len(group) * TILE_COLUMNS), reader))
-    return parts
-
-
 def _owner_scratch(plgpu, tiles):
     return (plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiles),
             plgpu.SMEM((SLOTS, BLOCK_KEYS, WIDTH), jnp.bfloat16, transforms=tiles),
             plgpu.SMEM((SLOTS, BLOCK_KEYS), jnp.int32),
             plgpu.SMEM((SLOTS, HEADS), jnp.float32),
             plgpu.SMEM((1, HEADS), jnp.float32),
-            # rows_ready[slot * parts + part]: the producer's arrival; rows_free: the part's last readers', both
-            # compute warpgroups for a whole row, else the one that reads the part's V columns (`_owner_parts`).
-            (plgpu.Barrier(num_barriers=SLOTS * len(_owner_parts())),
-             plgpu.Barrier(num_arrivals=2 if len(_owner_parts()) == 1 else 1,
-                           num_barriers=SLOTS * len(_owner_parts())),
+            (plgpu.Barrier(num_barriers=SLOTS),  # rows_ready: the producer's arrival
+             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # rows_free: both compute warpgroups
              plgpu.Barrier(num_barriers=SLOTS),  # p_ready: warpgroup 0's P and rescale of the slot's block
              plgpu.Barrier(),  # q_ready (TMA)
              plgpu.Barrier()))  # done: warpgroup 0's row sums are in stats_smem
@@ -549,43 +514,23 @@ def _owner_scratch(plgpu, tiles):
 
 def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_smem, barriers):
     """Warpgroup 0 owns the softmax (S, the online softmax and O[:, :OWNER_COLUMNS]); warpgroup 1 adds P V into the
-    other columns; the producer gathers a block a slot (module docstring), in `_owner_parts`."""
+    other columns; the producer gathers a block a slot (module docstring)."""
     rows_ready, rows_free, p_ready, q_ready, done = barriers
-    ops, plgpu = program.ops, program.plgpu
-    # With OWNER_EARLY_S a split with no keys walks one block of none (masked: zeros out, as with none walked), so
-    # that the S issued before warpgroup 0's loop has its block.
-    blocks = program.blocks + (program.blocks == 0) if OWNER_EARLY_S else program.blocks
+    ops, plgpu, blocks = program.ops, program.plgpu, program.blocks
     wg = program.wg()
-    parts = _owner_parts()
-    last = len(parts) - 1  # the part that brings the slot's indices (S waits for it last)
-
-    def barrier(array, block, part):
-        return array.at[(block % SLOTS) * len(parts) + part]
-
-    def columns(ref, part):
-        return ref if parts[part][0] is None else ref.at[:, parts[part][0]]
-
-    def freed_by(reader):
-        """The parts that warpgroup `reader` frees (each once a block)."""
-        return [part for part, (_, freer) in enumerate(parts) if freer in (reader, None)]
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-        def publish(block, pending):
-            """Publishes each part of `block` once it has landed, `pending` gathers (of later blocks) left in flight.
-            Each thread's copies are complete (cp.async.wait_group); the fence orders them before the warpgroup's
-            arrival for the tensor cores' reads (the async proxy)."""
-            for part in range(len(parts)):
-                ops.wait_for_gathers(pending + last - part)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(barrier(rows_ready, block, part))
+        def publish(block):
+            # Each thread's copies are complete (cp.async.wait_group); the fence orders them before the
+            # warpgroup's arrival for the tensor cores' reads (the async proxy).
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(rows_ready.at[block % SLOTS])
 
-        def gather(block, keys, part):
-            slot = block % SLOTS
-            program.gather(block, keys, rows_smem.at[slot], index_smem.at[slot] if part == last else None,
-                           parts[part][0])
+        def gather(block, keys):
+            program.gather(block, keys, rows_smem.at[block % SLOTS], index_smem.at[block % SLOTS])
 
         def keys_of(block):
             # A block's keys are loaded a block ahead of its gather, so that the gather's copies go out without
@@ -594,9 +539,7 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
 
         @pl.when(blocks >= 1)
         def _():
-            keys = keys_of(0)
-            for part in range(len(parts)):
-                gather(0, keys, part)
+            gather(0, keys_of(0))
 
         # Each block is published as soon as its rows have landed, and the next gather waits for its slot
         # only after that: a block's publication never waits behind the gather of the one after it. The two
@@ -606,23 +549,23 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
         # each part).
         @pl.when(blocks >= 2)
         def _():
-            keys = keys_of(1)
-            for part in range(len(parts)):
-                gather(1, keys, part)
-            publish(0, pending=len(parts))
+            gather(1, keys_of(1))
+            ops.wait_for_gathers(1)
+            publish(0)
 
         @pl.when(blocks == 1)
         def _():
-            publish(0, pending=0)
+            ops.wait_for_gathers(0)
+            publish(0)
 
         def step(block, keys):  # keys: block + 1's
-            publish(block, pending=0)
+            ops.wait_for_gathers(0)
+            publish(block)
 
             @pl.when(block + 1 < blocks)
             def _():
-                for part in range(len(parts)):
-                    plgpu.barrier_wait(barrier(rows_free, block + 1, part))  # block - 1 is done with it
-                    gather(block + 1, keys, part)
+                plgpu.barrier_wait(rows_free.at[(block + 1) % SLOTS])  # block - 1 is done with it
+                gather(block + 1, keys)
 
             return keys_of(block + 2)
 
@@ -633,8 +576,7 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
         # keeps the idle producer until the end).
         @pl.loop(jnp.maximum(blocks - SLOTS, 0), blocks)
         def _drain(block):
-            for part in range(len(parts)):
-                plgpu.barrier_wait(barrier(rows_free, block, part))
+            plgpu.barrier_wait(rows_free.at[block % SLOTS])
 
     @pl.when(wg == 0)
     def _softmax_owner():
@@ -648,58 +590,25 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
         total = program.rows_vector(jnp.zeros((HEADS,), jnp.float32))
         acc = ops.with_layout(jnp.zeros((HEADS, OWNER_COLUMNS), jnp.float32), plgpu.Layout.WGMMA)
 
-        def score_parts(block):
-            """The products that sum to `block`'s S, each issued once its part has landed."""
+        def block_step(block, carry):
+            acc, m, total = carry
             slot = block % SLOTS
-            return [(functools.partial(plgpu.barrier_wait, barrier(rows_ready, block, part)),
-                     columns(q_smem, part), columns(rows_smem.at[slot], part)) for part in range(len(parts))]
-
-        def free_own_parts(block):
-            for part in freed_by(0):
-                plgpu.barrier_arrive(barrier(rows_free, block, part))
-
-        def block_step(block, carry, *, issue_next=False):
-            """A block. With OWNER_EARLY_S the carry's last item is its S (unmasked), and with `issue_next` the next
-            block's comes back there (else None)."""
-            acc, m, total, s = carry
-            slot = block % SLOTS
-            if s is None and len(parts) == 1:  # as score_parts' sum, but its wait inside the product's scope
-                # reorders the default kernel's SASS, which the H200 figures measured: kept as it was
-                plgpu.barrier_wait(barrier(rows_ready, block, 0))
-                s = ops.matmul_transposed(q_smem, rows_smem.at[slot])
-            elif s is None:
-                s = ops.matmul_transposed_sum(score_parts(block))
-            s = program.masked_scores(s, index_smem.at[slot], block)
+            plgpu.barrier_wait(rows_ready.at[slot])
+            s = program.masked_scores(ops.matmul_transposed(q_smem, rows_smem.at[slot]), index_smem.at[slot], block)
             m_new = jnp.maximum(m, s.max(axis=1))
             p, alpha, total = _online_softmax(s, m, m_new, total)
             p16 = p.astype(jnp.bfloat16)
             # P goes where the slot's rope columns were (read by S only, which is done): no buffer of its own,
-            # and the slot's rope columns are refilled only once warpgroup 1 is done with it.
+            # and the slot is refilled only once both warpgroups are done with it.
             rows_smem[slot, :, P_COLUMNS] = p16
             alpha_smem[slot] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[slot])
-            own_values = rows_smem.at[slot, :, pl.ds(0, OWNER_COLUMNS)]
-            if issue_next:
-                # The next block's S goes to the tensor cores right behind this P V (P from shared memory: a
-                # register operand would have to stay untouched until its wgmma is done), so that they do not
-                # drain between them; the next block's rows came with the other slot.
-                acc, s_next = ops.accumulate_then_matmul_transposed(
-                    _rescale(acc, alpha), (lambda: None, rows_smem.at[slot, :, P_COLUMNS], own_values,
-                                           functools.partial(free_own_parts, block)),
-                    score_parts(block + 1))
-                return acc, m_new, total, s_next
-            acc = ops.accumulate(_rescale(acc, alpha), p16, own_values)
-            free_own_parts(block)
-            return acc, m_new, total, None
+            acc = ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(0, OWNER_COLUMNS)])
+            plgpu.barrier_arrive(rows_free.at[slot])
+            return acc, m_new, total
 
-        if OWNER_EARLY_S:
-            # The first block's S before the loop, the last block, which issues no next S, after it.
-            carry = (acc, m, total, ops.matmul_transposed_sum(score_parts(0)))
-            carry = lax.fori_loop(0, blocks - 1, functools.partial(block_step, issue_next=True), carry)
-            acc, m, total, _ = block_step(blocks - 1, carry)
-        else:
-            acc, m, total, _ = lax.fori_loop(0, blocks, block_step, (acc, m, total, None))
+        acc, m, total = lax.fori_loop(0, blocks, block_step, (acc, m, total))
         stats_smem[0] = total
         plgpu.commit_smem()
         plgpu.barrier_arrive(done)
@@ -715,15 +624,13 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
 
         def block_step(block, accs):
             slot = block % SLOTS
-            for part in freed_by(1):  # the parts it reads
-                plgpu.barrier_wait(barrier(rows_ready, block, part))
+            plgpu.barrier_wait(rows_ready.at[slot])
             plgpu.barrier_wait(p_ready.at[slot])
             alpha = program.load_rows_vector(alpha_smem.at[slot])
             p16 = rows_smem.at[slot, :, P_COLUMNS]
             accs = tuple(ops.accumulate(_rescale(acc, alpha), p16, rows_smem.at[slot, :, pl.ds(start, width)])
                          for acc, (start, width) in zip(accs, pieces))
-            for part in freed_by(1):
-                plgpu.barrier_arrive(barrier(rows_free, block, part))
+            plgpu.barrier_arrive(rows_free.at[slot])
             return accs
 
         accs = lax.fori_loop(0, blocks, block_step, accs)
@@ -733,6 +640,11 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
             program.finish(acc, total, pl.ds(start, width))
 
 
+# The seesaw's half slots: the first 256 columns of a slot's rows (V's first half) and the rest (V's second half and
+# the rope columns), each gathered, published and freed on its own; and each warpgroup's half of V (and of O).
+HALF_SLOTS = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2))
+HALVES = len(HALF_SLOTS)
+V_HALVES = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, LATENT // 2))
 # The half slots (slot, half) by when their last reader frees them: slot 0's first half by warpgroup 0 after its own
 # P V and slot 1's second half by warpgroup 1 after its own (mid-pair), the others after each warpgroup's P V with the
 # other's P (at the pair's end). Each warpgroup's S of the next pair starts on the half freed mid-pair.

@@ -213,12 +213,11 @@ runpy.run_module('jaxmodels', run_name='__main__')" "$schedule" bench --no-progr
     # The kernel's time split (whole, compute alone, gathers alone) and warpgroup 0's column share (bench/lab/mla_mosaic_split.py).
     mla_split) timeout "${SPLIT_TIMEOUT:-540}" python3 bench/lab/mla_mosaic_split.py --batches "${SPLIT_BATCHES:-32,128}" \
         ${SPLIT_ONLY:+--only "$SPLIT_ONLY"} 2>&1 | grep -v Warning | tail -24 ;;  # SPLIT_ONLY: names, ';' between
-    # The Mosaic sparse MLA's GPU tests (every schedule and variant), then the variants at B=128 (mla_split): one call
+    # The Mosaic sparse MLA's GPU tests (both schedules), then the variants at B=128 (mla_split): one call
     mla_seesaw) timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
           tests/pallas_kernels/test_sparse_mla_mosaic.py 2>&1 | tail -4
-        variants="compute only;gathers unwaited;gathers only;owner 2 parts;owner 4 parts;owner early S"
-        variants="$variants;owner early S, 2 parts;owner early S compute;wg0 192 columns;seesaw;seesaw compute"
-        variants="$variants;L2 hints"
+        variants="compute only;gathers unwaited;gathers only;wg0 192 columns;seesaw;seesaw compute"
+        variants="$variants;seesaw gathers unwaited;L2 hints"
         SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-400} SPLIT_BATCHES=128 SPLIT_ONLY=${SPLIT_ONLY:-$variants} bash "$0" mla_split ;;
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;

@@ -40,21 +40,14 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
 
 @needs_mosaic_lowering
 @pytest.mark.parametrize("schedule, hints, seesaw_defaults", [("seesaw", False, True), ("seesaw", True, True),
-                                                             ("seesaw", False, False), ("owner", True, True),
-                                                             ("owner 2 parts", False, True),
-                                                             ("owner 4 parts", False, True),
-                                                             ("owner 1 early", False, True),
-                                                             ("owner 2 early", False, True)])
+                                                             ("seesaw", False, False), ("owner", True, True)])
 @pytest.mark.parametrize("T, listed", [(128, False), (1, True)])
 def test_schedules_and_gather_hints_lower_for_the_h200(schedule, hints, seesaw_defaults, T, listed, monkeypatch):
     """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off),
-    as by default and without warpgroup 0's early S nor the mid-pair halves published one by one, the owner
-    schedule on parts of a slot and with warpgroup 0's next S behind its P V, and the gather's L2 hints, one program
-    a query's head block and a list split over programs."""
+    as by default and without warpgroup 0's early S nor the mid-pair halves published one by one, and the gather's
+    L2 hints, one program a query's head block and a list split over programs."""
     sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
-    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", schedule.split()[0])
-    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_SLOT_PARTS", int(schedule.split()[1]) if " " in schedule else 1)
-    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_EARLY_S", schedule.endswith("early"))
+    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", schedule)
     monkeypatch.setattr(sparse_mla_mosaic, "GATHER_L2_HINTS", hints)
     monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_EARLY_S", seesaw_defaults)
     monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_MID_ALONE", seesaw_defaults)
@@ -156,22 +149,6 @@ def test_compiled_seesaw_schedule_equals_dense_masked_attention(splits, monkeypa
         test_compiled_kernel_walks_only_the_listed_blocks()
 
 
-@needs_mosaic
-@pytest.mark.gpu
-@pytest.mark.parametrize("parts, early_s, splits", [(2, False, None), (2, False, 1), (4, False, None),
-                                                    (1, True, None), (1, True, 1), (2, True, None)])
-def test_compiled_owner_schedule_variants_equal_dense_masked_attention(parts, early_s, splits, monkeypatch):
-    """The owner schedule with each slot's parts published and freed on their own (`OWNER_SLOT_PARTS`) and with
-    warpgroup 0's next S behind its P V (`OWNER_EARLY_S`), compiled: the cases of the default's two tests (stopped
-    after 240 s if its barriers deadlock)."""
-    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
-    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_SLOT_PARTS", parts)
-    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_EARLY_S", early_s)
-    with stopped_if_hung(240):
-        test_compiled_kernel_equals_dense_masked_attention(splits)
-        test_compiled_kernel_walks_only_the_listed_blocks()
-
-
 def interpreted(q, cache, idx, listed=None, *, num_splits):
     """The kernel in Mosaic GPU's interpreter with its race detector on (`run_race_checked`), through
     `sparse_mla_attention` as the model calls it."""
@@ -200,50 +177,6 @@ def test_interpreted_kernel_with_a_smaller_share_for_the_softmax_owner(monkeypat
     assert sparse_mla_mosaic.second_pieces() == [(192, 256), (448, 64)]
     check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=2), T=4, H=128, topk=320,
                                   num_pages=8)
-
-
-@needs_mosaic_lowering
-@on_cpu
-@pytest.mark.parametrize("parts, early_s, lists, splits", [  # dense: slots refilled; listed: a split of no keys
-    (2, False, "dense", 2), (2, False, "listed", 2), (4, False, "dense", 2), (1, True, "dense", 1),
-    (1, True, "listed", 2), (2, True, "dense", 2)])
-def test_interpreted_owner_schedule_variants_equal_dense_masked_attention(parts, early_s, lists, splits,
-                                                                          monkeypatch):
-    """The owner schedule on parts of a slot (`OWNER_SLOT_PARTS`: S's product over each part issued once it has
-    landed, the first 256 columns freed by warpgroup 0 alone, the rest by warpgroup 1) and with warpgroup 0's next S
-    issued behind its P V (`OWNER_EARLY_S`; a split with no keys then walks one block of none): the lists of the
-    default's interpreter tests, where the race detector checks that no part is refilled while a warpgroup still
-    reads it."""
-    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
-    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_SLOT_PARTS", parts)
-    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_EARLY_S", early_s)
-    if lists == "dense":
-        check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=splits), T=4, H=128,
-                                      topk=320, num_pages=8)
-    else:
-        check_listed_counts(lambda q, c, i, n: interpreted(q, c, i, n, num_splits=splits), T=6, topk=200,
-                            counts=[200, 1, 0, 65, 64, 130])
-
-
-def test_parts_of_a_slot_cover_its_row_in_whole_tiles_each_freed_by_its_reader(monkeypatch):
-    """Parts of whole 64-column tiles that cover the 576 columns in order, those of the first 256 (warpgroup 0's V)
-    freed by warpgroup 0 and the rest by 1; refused where warpgroup 1 would read columns warpgroup 0 frees alone
-    (OWNER_COLUMNS other than 256), and for a count other than 1, 2 or 4."""
-    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
-    assert sparse_mla_mosaic._owner_parts() == [(None, None)]
-    for count, bounds in [(2, [(0, 256, 0), (256, 576, 1)]),
-                          (4, [(0, 128, 0), (128, 256, 0), (256, 448, 1), (448, 576, 1)])]:
-        monkeypatch.setattr(sparse_mla_mosaic, "OWNER_SLOT_PARTS", count)
-        got = [(columns.start, columns.start + columns.size, reader)
-               for columns, reader in sparse_mla_mosaic._owner_parts()]
-        assert got == bounds
-    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_SLOT_PARTS", 3)
-    with pytest.raises(ValueError, match="1, 2 or 4"):
-        sparse_mla_mosaic._owner_parts()
-    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_SLOT_PARTS", 2)
-    monkeypatch.setattr(sparse_mla_mosaic, "OWNER_COLUMNS", 192)
-    with pytest.raises(ValueError, match="OWNER_COLUMNS = 256"):
-        sparse_mla_mosaic._owner_parts()
 
 
 @needs_mosaic_lowering
