@@ -76,6 +76,7 @@ def random_model(raw: dict, dtype: str, calibration_tokens: int = 512, center_he
     balanced (`balance_routing`) and, unless `center_head` is False, its LM head centered (`center_lm_head`). With
     a block-scaled FP8 `quantization_config` in `raw`, the layers it quantizes then hold their random weights in FP8
     (routed on the dense weights' balance, which FP8 rounding barely moves)."""
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -83,12 +84,37 @@ def random_model(raw: dict, dtype: str, calibration_tokens: int = 512, center_he
     from jaxmodels.quantization import with_fp8_weights
 
     config = load_config(raw)
-    model = model_class(config)(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+
+    def build():  # its own random keys each call: the check's abstract build draws none from the real one
+        return model_class(config)(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+
+    check_random_weights_fit(build, jax.devices()[0])
+    model = build()
     hidden = balance_routing(model, np.random.default_rng(1).integers(3, config.vocab_size,
                                                                       size=(1, calibration_tokens)))
     if center_head:
         center_lm_head(model, hidden)
     return with_fp8_weights(model, config, quantize=True)
+
+
+def check_random_weights_fit(build, device) -> None:
+    """A clear error, before any weight is made, where the weights of the model `build()` makes exceed what JAX may
+    use of `device`: random weights are made in the model dtype there (an FP8 model is quantized from them after), so
+    a model too large would fail deep inside XLA (DeepSeek-V3.2's 4 layers: 74.0 GB of bf16 against the 64 GB JAX
+    takes of an 80 GB H100). The weights alone: a model that passes can still run out in its first forward. Devices
+    that report no memory limit (the CPU) are not checked."""
+    from jaxmodels.nnx_params import abstract_module
+
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        return
+    _, _, params = abstract_module(build)
+    needed = sum(param.size * param.dtype.itemsize for param in params.values())
+    if needed > limit:
+        raise SystemExit(f"the random weights of this config take {needed / 1e9:.1f} GB in the model dtype (an FP8 "
+                         f"model is quantized from them), more than the {limit / 1e9:.1f} GB JAX may use on "
+                         f"{device.device_kind}: keep fewer layers (--layers N), or give JAX more of the GPU "
+                         "(XLA_PYTHON_CLIENT_MEM_FRACTION)")
 
 
 def balance_routing(model, calibration_ids):

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxmodels.__main__ import main
-from jaxmodels.benchmark import FP8_BLOCK_QUANTIZATION, balance_routing, center_lm_head
+from jaxmodels.benchmark import FP8_BLOCK_QUANTIZATION, balance_routing, center_lm_head, check_random_weights_fit
 from jaxmodels.benchmark_floors import model_costs
 from jaxmodels.families import load_config
 from jaxmodels.layers.fp8_linear import Fp8ExpertStack, Fp8Linear
@@ -199,6 +199,32 @@ def test_fp8_block_model_holds_fp8_weights_and_its_floors_count_their_bytes():
     assert fp8_costs.active_params_per_token == dense_costs.active_params_per_token
     assert 0 < fp8_costs.fp8_params_per_token < fp8_costs.active_params_per_token  # the LM head stays dense
     assert dense_costs.fp8_params_per_token == 0
+
+
+class _Device:
+    """A device as `check_random_weights_fit` reads it: its kind and its memory stats."""
+
+    device_kind = "a small GPU"
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_random_weights_too_large_for_the_device_are_a_clear_error():
+    """The check counts the weights the model would hold (its built params' bytes, float32 norms included) against
+    JAX's limit on the device, from the model's shapes: one byte over is refused with the sizes and what to do, the
+    exact size passes, and a device without a reported limit (the CPU) is not checked."""
+    def build():
+        return build_from_config(TINY_DSA)
+
+    weights = sum(param.nbytes for param in model_params(build()).values())
+    with pytest.raises(SystemExit, match=rf"take {weights / 1e9:.1f} GB .* on a small GPU: keep fewer layers"):
+        check_random_weights_fit(build, _Device({"bytes_limit": weights - 1}))
+    check_random_weights_fit(build, _Device({"bytes_limit": weights}))
+    check_random_weights_fit(build, _Device(None))
 
 
 @pytest.mark.slow
