@@ -20,7 +20,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxmodels-jax
 # Workers share the card's memory with nothing reserved, so their number follows its size: 8 on an H200 (141 GB),
 # 5 on an H100 (80 GB), where 8 ran three compiled-kernel tests out of memory beside the long-context engine tests
 # (2026-12-05; each passed alone).
-gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -cd 0-9)
 default_workers=$(( ${gpu_mib:-0} / 15360 )); (( default_workers > 8 )) && default_workers=8
 (( default_workers < 1 )) && default_workers=8  # no nvidia-smi: the suite's CPU half, as before
 workers=${GPU_CHECK_WORKERS:-$default_workers}
