@@ -35,11 +35,11 @@ Warpgroup 0 issues 3.4 M of the 4.5 M multiply-adds a block. FlashMLA balances t
 computes S ("seesaw"), which needs each warpgroup's softmax to wait for the other's row maxima; this first form
 keeps one owner of the softmax state and relies on warpgroup 1's products filling the tensor cores while warpgroup 0
 runs its softmax. At B = 128 on the H200 that leaves the tensor pipe busy 53% of the time, with DRAM at 31% of its
-peak and L2 at 53% (Nsight Compute, `bash bench/lab/h200_runs.sh mla_ncu_mosaic`). More overlap in warpgroup 0
-(the seesaw, the slot in parts, an early S: below) has not paid. The next block's S issued before this block's softmax would need a third row slot (with two, that
-block's rows could only be gathered once the slot of the block before was free, just before they are needed), and
-shared memory holds two: the query block 72 KiB and two row slots of 72 KiB (226 KiB with Pallas' own, of the H200's
-227).
+peak and L2 at 53% (Nsight Compute, `bash bench/lab/h200_runs.sh mla_ncu_mosaic`). More overlap in warpgroup 0 (the
+seesaw, the slot in parts, an early S: below) has not paid. The next block's S issued before this block's softmax
+would need a third row slot (with two, that block's rows could only be gathered once the slot of the block before
+was free, just before they are needed), and shared memory holds two: the query block 72 KiB and two row slots of 72
+KiB (226 KiB with Pallas' own, of the H200's 227).
 
 `SCHEDULE = "seesaw"` builds the seesaw as FlashMLA's sparse prefill kernel runs it (about 640 TFLOP/s on the H800,
 where this kernel does 430 on the H200 at B = 128; `_seesaw_schedule`): the warpgroups own alternate blocks of a
