@@ -103,13 +103,13 @@ def check_random_weights_fit(build, device) -> None:
     a model too large would fail deep inside XLA (DeepSeek-V3.2's 4 layers: 74.0 GB of bf16 against the 64 GB JAX
     takes of an 80 GB H100). The weights alone: a model that passes can still run out in its first forward. Devices
     that report no memory limit (the CPU) are not checked."""
+    from jaxmodels.engine.cache import total_bytes
     from jaxmodels.nnx_params import abstract_module
 
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if not limit:
         return
-    _, _, params = abstract_module(build)
-    needed = sum(param.size * param.dtype.itemsize for param in params.values())
+    needed = total_bytes(abstract_module(build)[2])
     if needed > limit:
         raise SystemExit(f"the random weights of this config take {needed / 1e9:.1f} GB in the model dtype (an FP8 "
                          f"model is quantized from them), more than the {limit / 1e9:.1f} GB JAX may use on "
