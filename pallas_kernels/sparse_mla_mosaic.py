@@ -659,6 +659,10 @@ SEESAW_EARLY_S = True
 # The producer publishes the halves freed mid-pair one by one, each once it has landed, rather than both once both
 # have (`_seesaw_schedule`'s producer).
 SEESAW_MID_ALONE = True
+# The producer publishes the halves freed at a pair's end one by one too, each once it has landed, rather than both
+# once both have: warpgroup 0's next S needs slot 0's second half only, and with both published together it waited
+# for slot 1's first half, freed by warpgroup 0's own last P V and gathered only then (`_seesaw_schedule`).
+SEESAW_END_ALONE = False
 
 
 def _seesaw_scratch(plgpu, tiles):
@@ -741,11 +745,17 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
                     if group is FREED_MID_PAIR and SEESAW_MID_ALONE:
                         pl.when(pair > 0)(lambda: publish_landed([(slot, part)]))
 
+                    if group is FREED_AT_PAIR_END and SEESAW_END_ALONE:
+                        if (slot, part) == group[0]:  # the first pair's mid-pair halves, this one still in flight
+                            pl.when(pair == 0)(lambda: publish_landed(FREED_MID_PAIR, pending=1))
+                        publish_landed([(slot, part)])
+
                 if group is FREED_MID_PAIR and not SEESAW_MID_ALONE:  # the first pair's: in flight beside the others
                     pl.when(pair > 0)(lambda: publish_landed(FREED_MID_PAIR))
 
-            pl.when(pair == 0)(lambda: publish_landed(FREED_MID_PAIR, pending=len(FREED_AT_PAIR_END)))
-            publish_landed(FREED_AT_PAIR_END)
+            if not SEESAW_END_ALONE:
+                pl.when(pair == 0)(lambda: publish_landed(FREED_MID_PAIR, pending=len(FREED_AT_PAIR_END)))
+                publish_landed(FREED_AT_PAIR_END)
             return following
 
         lax.fori_loop(0, pairs, pair_step, (program.keys_of(0, walked), program.keys_of(1, walked)))

@@ -217,7 +217,7 @@ runpy.run_module('jaxmodels', run_name='__main__')" "$schedule" bench --no-progr
     mla_seesaw) timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
           tests/pallas_kernels/test_sparse_mla_mosaic.py 2>&1 | tail -4
         variants="compute only;gathers unwaited;gathers only;wg0 192 columns;seesaw;seesaw compute"
-        variants="$variants;seesaw gathers unwaited;L2 hints"
+        variants="$variants;seesaw gathers unwaited;seesaw, end alone;seesaw, end alone reversed;L2 hints"
         SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-400} SPLIT_BATCHES=128 SPLIT_ONLY=${SPLIT_ONLY:-$variants} bash "$0" mla_split ;;
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;

@@ -9,7 +9,8 @@ with the registers that leave ptxas no spills (`tools/aot_h200.py`). Last the se
 each warpgroup computes S for every other block), whole and its compute alone, then with warpgroup 0's S issued at
 the top of each pair instead of behind its last P V (`SEESAW_EARLY_S`), and with the halves freed mid-pair published
 together instead of one by one (`SEESAW_MID_ALONE`), and with its gathers unwaited for (whether it loses to its
-gathers' latency, which the kernel's schedule does not: the module docstring); and both schedules with FlashMLA's L2
+gathers' latency, which the kernel's schedule does not: the module docstring), and with the halves freed at a pair's
+end published one by one (`SEESAW_END_ALONE`), in either order; and both schedules with FlashMLA's L2
 hints on the gather's copies (`GATHER_L2_HINTS`). Each variant that computes the whole product gives its RMS
 difference from the kernel's output. B = 32 / 128 queries, top-2048, 128 heads, dsa_kernels' timing.
 
@@ -90,6 +91,9 @@ def main():
             ("seesaw, S at top", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_EARLY_S=False)),
             ("seesaw, mid paired", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_MID_ALONE=False)),
             ("seesaw gathers unwaited", GathersUnwaited, dict(SCHEDULE="seesaw")),
+            ("seesaw, end alone", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_END_ALONE=True)),
+            ("seesaw, end alone reversed", KERNEL_OPS,
+             dict(SCHEDULE="seesaw", SEESAW_END_ALONE=True, FREED_AT_PAIR_END=mla.FREED_AT_PAIR_END[::-1])),
             ("L2 hints", KERNEL_OPS, dict(GATHER_L2_HINTS=True)),
             ("seesaw, L2 hints", KERNEL_OPS, dict(SCHEDULE="seesaw", GATHER_L2_HINTS=True))]
         if args.only:

@@ -17,6 +17,18 @@ from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
 from tests.numerics import rms_relative_error
 from tests.pallas_kernels.test_sparse_mla_attention import _problem, dense_masked_attention
 
+# The seesaw schedule's switches (EARLY_S, MID_ALONE, END_ALONE) by name: as by default, with none of them, and with
+# the halves freed at a pair's end published one by one too.
+SEESAW_SETTINGS = {"defaults": (True, True, False), "none": (False, False, False), "end_alone": (True, True, True)}
+
+
+def set_seesaw(monkeypatch, settings: str):
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", "seesaw")
+    for switch, value in zip(("EARLY_S", "MID_ALONE", "END_ALONE"), SEESAW_SETTINGS[settings]):
+        monkeypatch.setattr(sparse_mla_mosaic, f"SEESAW_{switch}", value)
+
+
 # The interpreter's runs are the CPU's check; on the GPU the compiled kernel's tests take their place.
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the compiled kernel is tested on the GPU")
 
@@ -39,18 +51,16 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
 
 
 @needs_mosaic_lowering
-@pytest.mark.parametrize("schedule, hints, seesaw_defaults", [("seesaw", False, True), ("seesaw", True, True),
-                                                             ("seesaw", False, False), ("owner", True, True)])
+@pytest.mark.parametrize("seesaw, hints", [("defaults", False), ("defaults", True), ("none", False),
+                                           ("end_alone", False), (None, True)])
 @pytest.mark.parametrize("T, listed", [(128, False), (1, True)])
-def test_schedules_and_gather_hints_lower_for_the_h200(schedule, hints, seesaw_defaults, T, listed, monkeypatch):
-    """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off),
-    as by default and without warpgroup 0's early S nor the mid-pair halves published one by one, and the gather's
-    L2 hints, one program a query's head block and a list split over programs."""
-    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
-    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", schedule)
-    monkeypatch.setattr(sparse_mla_mosaic, "GATHER_L2_HINTS", hints)
-    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_EARLY_S", seesaw_defaults)
-    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_MID_ALONE", seesaw_defaults)
+def test_schedules_and_gather_hints_lower_for_the_h200(seesaw, hints, T, listed, monkeypatch):
+    """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off)
+    with each setting of its switches (`SEESAW_SETTINGS`), and the gather's L2 hints (None: the owner schedule), one
+    program a query's head block and a list split over programs."""
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "GATHER_L2_HINTS", hints)
+    if seesaw:
+        set_seesaw(monkeypatch, seesaw)
     test_kernel_lowers_for_the_h200(T, 128, listed, None)
 
 
@@ -139,11 +149,13 @@ def test_compiled_kernel_walks_only_the_listed_blocks():
 
 @needs_mosaic
 @pytest.mark.gpu
+@pytest.mark.parametrize("seesaw", ["defaults", "end_alone"])
 @pytest.mark.parametrize("splits", [None, 1])
-def test_compiled_seesaw_schedule_equals_dense_masked_attention(splits, monkeypatch):
-    """The seesaw schedule compiled: the cases of the two tests above (a new schedule's barriers could deadlock on
-    the GPU: the worker stops after 240 s rather than hold the suite)."""
-    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "SCHEDULE", "seesaw")
+def test_compiled_seesaw_schedule_equals_dense_masked_attention(splits, seesaw, monkeypatch):
+    """The seesaw schedule compiled, as by default and with the pair's last halves published one by one: the cases
+    of the two tests above (a new schedule's barriers could deadlock on the GPU: the worker stops after 240 s rather
+    than hold the suite)."""
+    set_seesaw(monkeypatch, seesaw)
     with stopped_if_hung(240):
         test_compiled_kernel_equals_dense_masked_attention(splits)
         test_compiled_kernel_walks_only_the_listed_blocks()
@@ -181,17 +193,16 @@ def test_interpreted_kernel_with_a_smaller_share_for_the_softmax_owner(monkeypat
 
 @needs_mosaic_lowering
 @on_cpu
-@pytest.mark.parametrize("lists, seesaw_defaults", [("dense", True), ("listed", True), ("listed", False)])
-def test_interpreted_seesaw_schedule_equals_dense_masked_attention(lists, seesaw_defaults, monkeypatch):
+@pytest.mark.parametrize("lists, seesaw", [("dense", "defaults"), ("listed", "defaults"), ("listed", "none"),
+                                           ("dense", "end_alone"), ("listed", "end_alone")])
+def test_interpreted_seesaw_schedule_equals_dense_masked_attention(lists, seesaw, monkeypatch):
     """The seesaw schedule (`_seesaw_schedule`: warpgroups owning alternate blocks, the pair's row maximum passed
     between them, half slots published and freed on their own) as the GPU runs it: top-320 split in two (two pairs,
     and one block walked with an empty one), and the listed counts of the owner schedule's test below (a split with
     no keys walks a pair of none). As by default (warpgroup 0's next S issued behind its last P V, the mid-pair
-    halves published one by one) and with neither (`SEESAW_EARLY_S`, `SEESAW_MID_ALONE`)."""
-    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
-    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", "seesaw")
-    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_EARLY_S", seesaw_defaults)
-    monkeypatch.setattr(sparse_mla_mosaic, "SEESAW_MID_ALONE", seesaw_defaults)
+    halves published one by one), with neither, and with the pair's last halves published one by one too
+    (`SEESAW_SETTINGS`)."""
+    set_seesaw(monkeypatch, seesaw)
     if lists == "dense":
         check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=2), T=4, H=128, topk=320,
                                       num_pages=8)
