@@ -9,7 +9,7 @@ API difference there.
 
     bash tools/aot_venv.sh                       # once: .venv-aot, this jax with its CUDA plugin
     .venv-aot/bin/python tools/aot_h200.py sparse_mla_mosaic --batch 128
-    .venv-aot/bin/python tools/aot_h200.py sparse_mla_mosaic --set SCHEDULE=seesaw --set "SEESAW_REGISTERS=(232,224,48)"
+    .venv-aot/bin/python tools/aot_h200.py sparse_mla_mosaic --set OWNER_COLUMNS=192 --set OWNER_REGISTERS=240
     .venv-aot/bin/python tools/aot_h200.py sparse_mla_triton --batch 128 --block-h 32
     .venv-aot/bin/python tools/aot_h200.py fp8_mosaic --sass /tmp/sass
 """

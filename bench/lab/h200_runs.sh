@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_seesaw|mla_mosaic_engine|mla_schedule_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|suite_c|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_variants|mla_mosaic_engine|mla_settings_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -35,11 +35,11 @@ for what in "$@"; do
     structured_tests) OUT="$OUT/structured_tests" GPU_CHECK_TESTS="tests/engine/test_structured_output.py tests/engine/test_sampling_controls.py tests/engine/test_grammar.py tests/engine/test_llm.py" bash tools/gpu_check.sh tests 2>&1 | tail -5 ;;
     suite) OUT=$OUT bash tools/gpu_check.sh tests > "$OUT/suite_stdout.log" 2>&1; tail -25 "$OUT/gpu_tests.log"; cat "$OUT/summary.txt" ;;
     kernel_checks) OUT="$OUT/kernel_checks" bash tools/gpu_check.sh checks 2>&1 | grep -i "check\|FAIL" | tail -40 ;;
-    # The suite in two calls of about 5 minutes each (whole, it took 596 s of a call's 600 on 2026-12-01); on a
-    # fresh H100 (empty compilation cache) suite_a did not end in 480 s on 2026-12-05: give each a whole call.
+    # The suite in three calls (whole, it took 596 s of a call's 600 on an H200 on 2026-12-01). On an H100 (5
+    # workers) suite_a took 454 s and the old suite_b (these two together) reached 97% in 600 s on 2026-12-05.
     suite_a) OUT="$OUT/suite_a" GPU_CHECK_TESTS="tests/engine tests/pallas_kernels" bash "$0" suite ;;
-    suite_b) OUT="$OUT/suite_b" GPU_CHECK_TESTS="tests/jaxmodels tests/bridge tests/sharding tests/serve" \
-        bash "$0" suite ;;
+    suite_b) OUT="$OUT/suite_b" GPU_CHECK_TESTS="tests/jaxmodels tests/bridge tests/sharding" bash "$0" suite ;;
+    suite_c) OUT="$OUT/suite_c" GPU_CHECK_TESTS="tests/serve" bash "$0" suite ;;
     # BENCHMARKS.md's current results (issue 43): the serving benchmark with transformers beside it, one model class a
     # call (RESULTS_CONFIGS; NAME_fp8: NAME's config in block FP8, no comparator), JSON and figures under $OUT;
     # `python -m jaxmodels bench-report` renders them. Set JAXMODELS_COMMIT: the device's copy has no current .git.
@@ -199,26 +199,27 @@ for what in "$@"; do
           JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 120 python3 -m jaxmodels bench --no-progress \
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
             2>&1 | grep -A4 "| B |"; done ;;
-    # DeepSeek 4-layer decode at B=32/128 on the Triton kernel and on each schedule of the Mosaic one (its
-    # SCHEDULE set before the engine is built; MLA_SCHEDULES, default owner and seesaw), one process each.
-    mla_schedule_engine) for schedule in triton ${MLA_SCHEDULES:-owner seesaw}; do echo "--- $schedule"
-          kernel=mosaic; [ "$schedule" = triton ] && kernel=triton
+    # DeepSeek 4-layer decode at B=32/128 on the Triton kernel, then on the Mosaic one by default and with each of
+    # MLA_SETTINGS (constants of sparse_mla_mosaic set before the engine is built, ',' between; default warpgroup 0
+    # on 192 value columns), one process each: the engine's step before and after a kernel setting, in one call.
+    mla_settings_engine) for setting in triton default ${MLA_SETTINGS:-OWNER_COLUMNS=192,OWNER_REGISTERS=240,SECOND_REGISTERS=224}
+        do echo "--- $setting"; kernel=mosaic; [ "$setting" = triton ] && kernel=triton
           JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 150 python3 -c "import runpy, sys
 import pallas_kernels.sparse_mla_mosaic as mla
-mla.SCHEDULE = sys.argv[1] if sys.argv[1] != 'triton' else mla.SCHEDULE
+for name, value in (pair.split('=') for pair in sys.argv[1].split(',') if '=' in pair):
+    setattr(mla, name, int(value))
 sys.argv = ['jaxmodels'] + sys.argv[2:]
-runpy.run_module('jaxmodels', run_name='__main__')" "$schedule" bench --no-progress \
+runpy.run_module('jaxmodels', run_name='__main__')" "$setting" bench --no-progress \
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
             2>&1 | grep -A4 "| B |"; done ;;
     # The kernel's time split (whole, compute alone, gathers alone) and warpgroup 0's column share (bench/lab/mla_mosaic_split.py).
     mla_split) timeout "${SPLIT_TIMEOUT:-540}" python3 bench/lab/mla_mosaic_split.py --batches "${SPLIT_BATCHES:-32,128}" \
         ${SPLIT_ONLY:+--only "$SPLIT_ONLY"} 2>&1 | grep -v Warning | tail -24 ;;  # SPLIT_ONLY: names, ';' between
-    # The Mosaic sparse MLA's GPU tests (both schedules), then the variants at B=128 (mla_split): one call
-    mla_seesaw) timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+    # The Mosaic sparse MLA's GPU tests, then the variants at B=32 and 128 (mla_split), then the engine's decode with
+    # warpgroup 0 on 256 and 192 value columns (mla_settings_engine): one call (issue 42's open target)
+    mla_variants) timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
           tests/pallas_kernels/test_sparse_mla_mosaic.py 2>&1 | tail -4
-        variants="compute only;gathers unwaited;gathers only;wg0 192 columns;seesaw;seesaw compute"
-        variants="$variants;seesaw gathers unwaited;seesaw, end alone;seesaw, end alone reversed;L2 hints"
-        SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-400} SPLIT_BATCHES=128 SPLIT_ONLY=${SPLIT_ONLY:-$variants} bash "$0" mla_split ;;
+        SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-300} bash "$0" mla_split mla_settings_engine ;;
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     # Nsight Compute's counters of the sparse MLA decode at B = 128, a launch per tile variant
@@ -241,7 +242,7 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/lab/ncu_sparse_mla.py
           "$OUT/mla_ncu_sections.log" "$OUT/mla_ncu_metrics.log" | cut -c1-200 | head -150 ;;
     # The SASS of the same launches with per-instruction counters (ncu's source page): which tensor-core path the
     # dots took (HGMMA = wgmma, HMMA = mma.sync) and the shared / local memory instructions, counted per launch.
-    mla_ncu_mosaic) NCU_KERNEL=mosaic NCU_ARGS=--mosaic bash "$0" mla_ncu ;;  # launch 1: the owner schedule, 2: the seesaw
+    mla_ncu_mosaic) NCU_KERNEL=mosaic NCU_ARGS=--mosaic bash "$0" mla_ncu ;;  # launch 1: the default, 2: 192 columns
     mla_sass) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
         timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SourceCounters --page source \
