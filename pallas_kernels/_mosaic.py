@@ -85,13 +85,63 @@ class CompiledOps:
     def matmul_transposed(self, a_ref, b_ref):
         """a_ref @ b_ref.T in float32 on the tensor cores (wgmma), both operands in shared memory; returns when the
         tensor cores are done reading them."""
+        return self.matmul_transposed_sum([(lambda: None, a_ref, b_ref)])
+
+    def matmul_transposed_sum(self, parts):
+        """The sum of a_ref @ b_ref.T over `parts` [(before, a_ref, b_ref)], each issued to the tensor cores once
+        `before()` returns (a barrier wait: its operands have landed) and without waiting for the previous ones;
+        returns when the tensor cores are done reading them all."""
         plgpu = self.plgpu
 
         def product(acc_ref):
-            plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
-            return acc_ref[...]  # reading the accumulator waits for the wgmma
+            for before, a_ref, b_ref in parts:
+                before()
+                plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
+            return acc_ref[...]  # reading the accumulator waits for the wgmmas
 
+        _, a_ref, b_ref = parts[0]
         return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
+
+    def accumulate_sum(self, acc, parts):
+        """acc + the sum of a_ref @ b_ref over `parts` [(before, a_ref, b_ref, after)]: each issued once `before()`
+        returns, without waiting for the previous ones, and `after()` called once it is done. Both operands in shared
+        memory: a register operand must stay untouched until its wgmma is done, which ptxas may enforce by
+        serialising the wgmmas."""
+        plgpu = self.plgpu
+
+        def body(acc_ref):
+            for before, a_ref, b_ref, _ in parts:
+                before()
+                plgpu.wgmma(acc_ref, a_ref, b_ref)
+            for done, (*_, after) in enumerate(parts, 1):
+                plgpu.wgmma_wait(len(parts) - done)
+                after()
+
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+
+    def accumulate_then_matmul_transposed(self, acc, product, parts):
+        """(acc + a_ref @ b_ref, the sum of c_ref @ d_ref.T over `parts`), for a product (before, a_ref, b_ref,
+        after) and parts [(before, c_ref, d_ref)], all in shared memory: the product goes to the tensor cores first,
+        then each part once its `before()` returns, none waiting for the ones before; the product's `after()` is
+        called once it is done, with the first part in flight. The next block's S behind this block's last P V:
+        the tensor cores do not drain between them. Returns when all are done."""
+        plgpu = self.plgpu
+        before, a_ref, b_ref, after = product
+        _, c_ref, d_ref = parts[0]
+
+        def body(refs):
+            acc_ref, sum_ref = refs
+            before()
+            plgpu.wgmma(acc_ref, a_ref, b_ref)
+            for index, (part_before, part_a, part_b) in enumerate(parts):
+                part_before()
+                plgpu.wgmma(sum_ref, part_a, part_b.transpose((1, 0)))
+                if index == 0:
+                    plgpu.wgmma_wait(1)  # the product's group, issued first, is done
+                    after()
+
+        zeros = self.with_layout(jnp.zeros((c_ref.shape[0], d_ref.shape[0]), jnp.float32), plgpu.Layout.WGMMA)
+        return pl.run_state(body)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
 
     def accumulate(self, acc, a, b_ref):
         """acc + a @ b_ref (wgmma), `a` in registers or shared memory; returns when the tensor cores are done reading
@@ -113,6 +163,32 @@ class InterpretedOps:
     def matmul_transposed(self, a_ref, b_ref):
         return lax.dot_general(a_ref[...].astype(jnp.float32), b_ref[...].astype(jnp.float32),
                                (((1,), (1,)), ((), ())))
+
+    def matmul_transposed_sum(self, parts):
+        total = 0.0
+        for before, a_ref, b_ref in parts:
+            before()
+            total = total + self.matmul_transposed(a_ref, b_ref)
+        return total
+
+    def accumulate_sum(self, acc, parts):
+        for before, a_ref, b_ref, after in parts:
+            before()
+            acc = self.accumulate(acc, a_ref, b_ref)
+            after()
+        return acc
+
+    def accumulate_then_matmul_transposed(self, acc, product, parts):
+        before, a_ref, b_ref, after = product
+        before()
+        acc = self.accumulate(acc, a_ref, b_ref)
+        total = 0.0
+        for index, (part_before, part_a, part_b) in enumerate(parts):
+            part_before()
+            total = total + self.matmul_transposed(part_a, part_b)
+            if index == 0:
+                after()
+        return acc, total
 
     def accumulate(self, acc, a, b_ref):
         a = a if isinstance(a, jax.Array) else a[...]

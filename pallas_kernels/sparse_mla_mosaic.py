@@ -32,7 +32,7 @@ warpgroups:
   * warpgroup 1 takes P and the rescale from shared memory and adds P V[:, 256:] into O[:, 256:].
 `OWNER_COLUMNS` sets warpgroup 0's share of the value columns (256); warpgroup 1 takes the rest, a wgmma per 256.
 Warpgroup 0 issues 3.4 M of the 4.5 M multiply-adds a block. FlashMLA balances the two by alternating which one
-computes S ("seesaw"), which needs each warpgroup's softmax to wait for the other's row maxima; this schedule
+computes S ("seesaw"), which needs each warpgroup's softmax to wait for the other's row maxima; this first form
 keeps one owner of the softmax state and relies on warpgroup 1's products filling the tensor cores while warpgroup 0
 runs its softmax. At B = 128 on the H200 that leaves the tensor pipe busy 53% of the time, with DRAM at 31% of its
 peak and L2 at 53% (Nsight Compute, `bash bench/lab/h200_runs.sh mla_ncu_mosaic`). More overlap in warpgroup 0 (the
@@ -41,31 +41,36 @@ would need a third row slot (with two, that block's rows could only be gathered 
 was free, just before they are needed), and shared memory holds two: the query block 72 KiB and two row slots of 72
 KiB (226 KiB with Pallas' own, of the H200's 227).
 
-FlashMLA's seesaw, as its sparse prefill kernel runs it (about 640 TFLOP/s on the H800, where this kernel does 430 on
-the H200 at B = 128), was built here and removed after 51e2295, which holds it (`_seesaw_schedule`): the warpgroups
-owned alternate blocks of a pair and half of O each, passing the pair's row maximum between them, and each half of a row
-slot was gathered, published and freed on its own, so that the next pair's first halves were gathered while this pair
-was computed. It passed the interpreter's tests and its compiled ones, and lost in every run (H100, B = 128, `bash
-bench/lab/h200_runs.sh mla_seesaw` at acb2037, 03bb1d8, b0762fa and 51e2295, one run each): whole 0.193 / 0.192 / 0.193
-/ 0.191 ms against this schedule's 0.174 / 0.171 / 0.172 / 0.168, though its compute alone was the faster (0.130 / 0.131
-/ 0.137 at 03bb1d8 / b0762fa / 51e2295, against this schedule's 0.145 / 0.146 at the first two). Its gathers copied but
-never waited for took 0.163 / 0.155 (b0762fa / 51e2295): what it lost beyond that is the wait for the rows. Each half
-slot's last reader is at the end of a pair or its middle, so the next pair's S waits for a half that can only be
-gathered at the pair's end: a gather's latency is exposed once a pair, where this schedule gathers a block ahead. With
-two slots (all that shared memory holds) no order of the producer's waits hides it: publishing the halves freed at a
-pair's end one by one, each once landed, gave 0.189 (and 0.201 in the other order); FlashMLA's copies that arrive on
-their barrier themselves (`cp.async.mbarrier.arrive.noinc`, which Pallas cannot emit on its barriers) would spare the
-producer its remaining waits, not the compute warpgroups theirs for the rows.
+`SCHEDULE = "seesaw"` builds the seesaw as FlashMLA's sparse prefill kernel runs it (about 640 TFLOP/s on the H800,
+where this kernel does 430 on the H200 at B = 128; `_seesaw_schedule`): the warpgroups own alternate blocks of a pair
+and half of O each, and each half of a slot is gathered, published and freed on its own, so that the next pair's first
+halves are gathered while this pair is computed. Warpgroup 1's P needs a buffer of its own (8 KiB), which fits once
+Pallas' 2 KiB of reduction scratch is off. As in FlashMLA, warpgroup 0 issues the next pair's S behind its last P V of a
+pair, so that the tensor cores do not drain between them (`SEESAW_EARLY_S`), and the producer never waits for its
+copies: each thread's copies arrive on their half slot's barrier themselves once they have landed
+(`cp.async.mbarrier.arrive.noinc`, `_LandedByCopies`), so that each gather goes out as soon as its half slot is free.
+Pallas cannot give its barriers such an arrival, so those barriers are mbarriers of the kernel's own, in inline code;
+the interpreter runs Pallas barriers in their place.
 
-Variants of this (the owner) schedule measured and removed (one run each, H100, B = 128, `bash bench/lab/h200_runs.sh
+Measured with the producer waiting for its copies before publishing (`cp.async.wait_group`, as until 51e2295), the
+seesaw lost in every run (H100, B = 128, `bash bench/lab/h200_runs.sh mla_seesaw` at acb2037, 03bb1d8, b0762fa and
+51e2295, one run each): whole 0.193 / 0.192 / 0.193 / 0.191 ms against the owner schedule's 0.174 / 0.171 / 0.172 /
+0.168, though its compute alone was the faster (0.130 / 0.131 / 0.137 at 03bb1d8 / b0762fa / 51e2295, against the
+owner's 0.145 / 0.146 at the first two), and with its copies never waited for (a wrong output: their traffic without
+their latency) 0.163 / 0.155 at b0762fa / 51e2295. The producer's waits were serial: each half slot's publication waited
+for its copies to land before the next gather could wait for its slot, three or four latencies a pair; publishing the
+halves freed at a pair's end one by one too gave 0.189 (0.201 in the other order). The arriving copies take those waits
+out of the producer; not yet timed.
+
+Variants of the owner schedule measured and removed (one run each, H100, B = 128, `bash bench/lab/h200_runs.sh
 mla_seesaw` at 03bb1d8 against 0.171 ms for it; the code is in 03bb1d8): the slot in 2 or 4 parts, each gathered,
 published and freed on its own so that S starts on a block's first part (0.175 / 0.172 ms); warpgroup 0 issuing the next
 block's S right behind its P V (0.179; with 2 parts 0.172). The rows copied but never waited for take as long as the
 whole kernel (0.172), where the compute alone takes 0.145 and the gathers alone 0.137: what the kernel loses to its
 gathers is their traffic beside the tensor cores' reads, not their latency, so reordering the waits cannot win it back.
 The one setting ahead is warpgroup 0 on 192 of the value columns (`OWNER_COLUMNS`, 240 / 224 registers), in three runs
-on H100s: 0.168 / 0.168 / 0.162 ms against 0.171 / 0.172 / 0.168; not yet timed on the H200, whose figures the default
-keeps until it is.
+on H100s: 0.168 / 0.168 / 0.162 ms against 0.171 / 0.172 / 0.168 (03bb1d8 / b0762fa / 51e2295); not yet timed on the
+H200, whose figures the default keeps until it is.
 
 Registers: the producer gives back all but 40 a thread; warpgroup 0 takes 256 and warpgroup 1 200. ptxas
 (`tools/aot_h200.py`) then reports 28 bytes of spills, where 232 each spilled 136 (warpgroup 0's loop-invariant
@@ -100,6 +105,7 @@ BLOCK_KEYS = 64  # keys a block: S's N, and P V's K
 SLOTS = 2  # row slots in flight
 LATENT = 512  # value columns (Dl)
 WIDTH = 576  # a latent row: Dl + Dr
+SCHEDULE = "owner"  # how the compute warpgroups split the work: `_owner_schedule` or `_seesaw_schedule`
 OWNER_COLUMNS = 256  # value columns warpgroup 0 (the softmax owner) accumulates, the first ones; warpgroup 1 the rest
 OWNER_REGISTERS, SECOND_REGISTERS, PRODUCER_REGISTERS = 256, 200, 40  # a thread's, set_max_registers
 WGMMA_MAX_N = 256
@@ -193,10 +199,12 @@ def _load_thread_keys(indices_ref, first):
                                 _is_signed=True)
 
 
-def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref):
+def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref,
+                  tiles: range = range(WIDTH // TILE_COLUMNS)):
     """Emitted by the producer warpgroup (inside `plgpu.inline_mgpu`): cp.async copies of the 64 rows
     table_ref[indices_ref[first + i]] into rows_ref ([64, 576] in 8 x 64 tiles, 128-byte swizzle), zeros for a −1
-    index, and of the 64 indices into index_ref. `keys`: this thread's rows' indices (`_load_thread_keys`, loaded
+    index, and of the 64 indices into index_ref (None: not copied). `tiles`: the 64-column tiles copied (all, or
+    one half of the row for the seesaw schedule). `keys`: this thread's rows' indices (`_load_thread_keys`, loaded
     ahead). One commit group; the caller waits for it."""
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
@@ -228,7 +236,7 @@ def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref):
                                   ir.BF16Type.get())
         tile_row = arith.muli(arith.divui(row, mu.c(8, i32)), mu.c(tiles_per_row * 1024, i32))
         target = mu.getelementptr(rows, [arith.addi(tile_row, chunk_offset)], ir.IntegerType.get_signless(8))
-        for tile in range(tiles_per_row):
+        for tile in tiles:
             copy = _copy_with_l2_hints if GATHER_L2_HINTS else _copy
             copy(mu.getelementptr(target, [tile * 1024], ir.IntegerType.get_signless(8)),
                  mu.getelementptr(source, [tile * TILE_COLUMNS], ir.BF16Type.get()), size, policy)
@@ -236,6 +244,9 @@ def _gather_block(table_ref, indices_ref, first, keys, rows_ref, index_ref):
     for row, key in zip(rows_of_thread, keys):
         copy_row(row, key)
 
+    if index_ref is None:
+        nvvm.cp_async_commit_group()
+        return
     # The 64 indices (256 bytes): 16 threads, 16 bytes each.
     with mu.when(arith.cmpi(arith.CmpIPredicate.ult, thread, mu.c(BLOCK_KEYS * 4 // 16, i32))):
         source = mu.getelementptr(indices, [arith.extui(i64, arith.addi(first, arith.muli(thread, mu.c(4, i32))))],
@@ -283,6 +294,14 @@ def _wait_for_gathers(pending: int):
     nvvm.cp_async_wait_group(pending)
 
 
+def _tiles_of(columns) -> range:
+    """The 64-column tiles of a row that `columns` (a pl.ds of whole tiles, or None: the whole row) covers."""
+    if columns is None:
+        return range(WIDTH // TILE_COLUMNS)
+    assert columns.start % TILE_COLUMNS == 0 and columns.size % TILE_COLUMNS == 0, columns
+    return range(columns.start // TILE_COLUMNS, (columns.start + columns.size) // TILE_COLUMNS)
+
+
 class _Compiled(CompiledOps):
     """The kernel's operations on the GPU: `CompiledOps` and the cp.async gather."""
 
@@ -304,23 +323,32 @@ class _Compiled(CompiledOps):
 
         return _load(indices_gmem, start)
 
-    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref):
+    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref, columns=None):
         """Starts copying rows cache[indices[start:start + 64]] (zeros for −1) into rows_ref, and those indices
-        into index_ref; `keys` are `load_keys(indices_gmem, start)`. `wait_for_gathers` completes them."""
+        into index_ref (None: not copied); `keys` are `load_keys(indices_gmem, start)`; `columns` (a pl.ds of whole
+        64-column tiles): only those columns of the rows. `wait_for_gathers` completes them."""
         plgpu = self.plgpu
+        tiles = _tiles_of(columns)
+        arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                     plgpu.Layout.WG_STRIDED((KEYS_HELD,), PASSES), plgpu.RefType(self.tiles))
+        args = (cache_gmem, indices_gmem, start, keys, rows_ref)
+        if index_ref is not None:
+            arg_types, args = arg_types + (plgpu.RefType(),), args + (index_ref,)
 
-        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
-                                      plgpu.Layout.WG_STRIDED((KEYS_HELD,), PASSES), plgpu.RefType(self.tiles),
-                                      plgpu.RefType()))
-        def _gather(ctx, table_ref, indices_ref, first, keys, rows, indices_slot):
+        @plgpu.inline_mgpu(arg_types=arg_types)
+        def _gather(ctx, table_ref, indices_ref, first, keys, rows, indices_slot=None):
             del ctx
-            _gather_block(table_ref, indices_ref, first.registers.item(), keys, rows, indices_slot)
+            _gather_block(table_ref, indices_ref, first.registers.item(), keys, rows, indices_slot, tiles)
 
-        _gather(cache_gmem, indices_gmem, start, keys, rows_ref, index_ref)
+        _gather(*args)
 
     def wait_for_gathers(self, pending: int):
         """Waits until at most `pending` of this thread's gathers are in flight."""
         self.plgpu.inline_mgpu()(lambda ctx: _wait_for_gathers(pending))()
+
+    def landed_halves(self, barriers, smem):
+        del barriers  # the interpreter's
+        return _LandedByCopies(self.plgpu, smem)
 
 
 class _Interpreted(InterpretedOps):
@@ -332,17 +360,108 @@ class _Interpreted(InterpretedOps):
     def load_keys(self, indices_gmem, start):
         return indices_gmem[pl.ds(start, BLOCK_KEYS)]
 
-    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref):
-        index_ref[...] = indices_gmem[pl.ds(start, BLOCK_KEYS)]
+    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref, columns=None):
+        if index_ref is not None:
+            index_ref[...] = indices_gmem[pl.ds(start, BLOCK_KEYS)]
+        columns = pl.ds(0, WIDTH) if columns is None else columns
 
         @pl.loop(0, BLOCK_KEYS)
         def _row(i):
             key = keys[i]
-            row = cache_gmem[jnp.maximum(key, 0)]
-            rows_ref[i] = jnp.where(key >= 0, row, jnp.zeros_like(row))
+            row = cache_gmem[jnp.maximum(key, 0), columns]
+            rows_ref[i, columns] = jnp.where(key >= 0, row, jnp.zeros_like(row))
 
     def wait_for_gathers(self, pending: int):
         del pending  # the copies above are done when they return
+
+    def landed_halves(self, barriers, smem):
+        del smem  # the GPU's
+        return _LandedByBarriers(barriers)
+
+
+class _LandedByCopies:
+    """The seesaw's half slots' "landed" barriers on the GPU: mbarriers in shared memory (`smem`, 8 bytes each, int32
+    pairs) that each producer thread's copies arrive on themselves once they have landed
+    (`cp.async.mbarrier.arrive.noinc`, as in FlashMLA), so that the producer never waits for its copies. Pallas'
+    barriers cannot take such an arrival (inline Mosaic GPU code gets refs and arrays, not barriers), hence these,
+    initialised, arrived at and waited on in inline code. A half slot's barrier completes once a pair: its waiters
+    pass the pair's parity."""
+
+    TICKS = 10_000_000  # a try_wait's suspend-time hint, as Mosaic GPU's own waits give it
+
+    def __init__(self, plgpu, smem):
+        self.plgpu, self.smem = plgpu, smem
+
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+        def _init(ctx, ref):
+            from jax.experimental.mosaic.gpu import utils as mu
+            from jaxlib.mlir import ir
+            from jaxlib.mlir.dialects import gpu, nvvm
+
+            del ctx
+            # One thread initialises them, for the producer's 128 arrivals a phase; the block's barrier makes them
+            # initialised for every warpgroup before any waits on them.
+            one = mu.single_thread_predicate(scope=mu.ThreadSubset.BLOCK)
+            for index in range(SLOTS * HALVES):
+                nvvm.mbarrier_init(self._pointer(ref, index), mu.c(PRODUCER_THREADS, ir.IntegerType.get_signless(32)),
+                                   predicate=one)
+            nvvm.fence_mbarrier_init()
+            gpu.barrier()
+
+        _init(smem)
+
+    @staticmethod
+    def _pointer(ref, index):
+        from jax.experimental.mosaic.gpu import utils as mu
+        from jaxlib.mlir import ir
+
+        return mu.getelementptr(mu.memref_ptr(ref), [index], ir.IntegerType.get_signless(64))
+
+    def arrive(self, index: int):
+        """Emitted by the producer, every thread, after a half slot's copies: the thread's arrival once they (and
+        all its earlier ones) have landed."""
+        from jaxlib.mlir.dialects import nvvm
+
+        @self.plgpu.inline_mgpu(arg_types=(self.plgpu.RefType(),))
+        def _arrive(ctx, ref):
+            del ctx
+            nvvm.cp_async_mbarrier_arrive(self._pointer(ref, index), noinc=True)
+
+        _arrive(self.smem)
+
+    def wait(self, index: int, pair):
+        """Emitted by a compute warpgroup: waits until the half slot's rows of `pair` have landed. The copies wrote
+        them through the generic proxy and wgmma reads them through the async one: the fence orders the two."""
+        from jax.experimental.mosaic.gpu import utils as mu
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, nvvm
+
+        plgpu = self.plgpu
+
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+        def _wait(ctx, ref, pair_value):
+            del ctx
+            i32 = ir.IntegerType.get_signless(32)
+            parity = arith.andi(pair_value.registers.item(), mu.c(1, i32))
+            nvvm.mbarrier_try_wait_parity(self._pointer(ref, index), parity, mu.c(self.TICKS, i32))
+            nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+        _wait(self.smem, jnp.asarray(pair, jnp.int32))
+
+
+class _LandedByBarriers:
+    """`_LandedByCopies` in the interpreter, whose copies are done when the gather returns: the producer arrives on a
+    Pallas barrier after them, and the interpreter checks that every waiter observes every phase."""
+
+    def __init__(self, barriers):
+        self.plgpu, self.barriers = mosaic_gpu(), barriers
+
+    def arrive(self, index: int):
+        self.plgpu.barrier_arrive(self.barriers.at[index])
+
+    def wait(self, index: int, pair):
+        del pair
+        self.plgpu.barrier_wait(self.barriers.at[index])
 
 
 def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=None, num_splits: int | None = None,
@@ -356,8 +475,10 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     problem = mosaic_problem(H, D, LATENT, q.dtype, flat_cache.dtype)
     if problem:
         raise ValueError(f"sparse_mla_decode_mosaic: {problem}")
+    seesaw = SCHEDULE == "seesaw"
     splits = decode_splits(T, H, topk) if num_splits is None else num_splits
-    split_len = pl.cdiv(pl.cdiv(topk, splits), BLOCK_KEYS) * BLOCK_KEYS
+    walked = BLOCK_KEYS * (SLOTS if seesaw else 1)  # the seesaw walks its blocks in pairs
+    split_len = pl.cdiv(pl.cdiv(topk, splits), walked) * walked
     padded = splits * split_len
     indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, padded - topk)), constant_values=-1)
     listed = jnp.full((T,), topk, jnp.int32) if listed is None else jnp.clip(listed.astype(jnp.int32), 0, topk)
@@ -372,14 +493,15 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
         count = listed_gmem[t]
         in_split = jnp.clip(count - first, 0, split_len)
         program = _Program(ops, plgpu, t=t, split=split, heads=heads, row_base=t * padded + first, in_split=in_split,
+                           opaque_zero=count >> 30,  # counts are in [0, topk]
                            scale_log2=scale_log2, cache_gmem=cache_gmem, indices_gmem=indices_gmem,
                            q_gmem=q_gmem, out_gmem=out_gmem, lse_gmem=lse_gmem)
-        _owner_schedule(program, *scratch)
+        (_seesaw_schedule if seesaw else _owner_schedule)(program, *scratch)
 
     def entry(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem=None):
         pl.run_scoped(
             lambda *scratch: kernel(listed_gmem, q_gmem, cache_gmem, indices_gmem, out_gmem, lse_gmem, scratch),
-            *_owner_scratch(plgpu, tiles),
+            *(_seesaw_scratch if seesaw else _owner_scratch)(plgpu, tiles),
             collective_axes="wg",
         )
 
@@ -393,7 +515,9 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
         # a wave apart and read 540 MB at B=128 where the rows are 302 (ncu, `h200_runs.sh mla_ncu_mosaic`).
         entry, out_type=tuple(out_type), grid=(T, splits, H // HEADS), grid_names=("t", "s", "h"),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # The seesaw's shared memory leaves no room for Pallas' 2 KiB of cross-warp reduction scratch, which its
+        # reductions (over the columns of wgmma's layout, within a warp) do not use.
+        compiler_params=plgpu.CompilerParams(approx_math=True, **({"reduction_scratch_bytes": 0} if seesaw else {})),
         **interpret_option(interpret))
     outs = call(listed, q, flat_cache, indices.reshape(-1))
     if not split_out:
@@ -404,12 +528,13 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
 
 
 class _Program:
-    """What the warpgroups share in a program (a query's head block and split of its list): where its query, rows
-    and output are, and the scores' masking and the output's normalisation."""
+    """What both schedules' warpgroups share in a program (a query's head block and split of its list): where its
+    query, rows and output are, and the scores' masking and the output's normalisation."""
 
-    def __init__(self, ops, plgpu, *, t, split, heads, row_base, in_split, scale_log2, cache_gmem, indices_gmem,
-                 q_gmem, out_gmem, lse_gmem):
+    def __init__(self, ops, plgpu, *, t, split, heads, row_base, in_split, opaque_zero, scale_log2, cache_gmem,
+                 indices_gmem, q_gmem, out_gmem, lse_gmem):
         self.ops, self.plgpu = ops, plgpu
+        self.opaque_zero = opaque_zero  # 0, loaded from memory: LLVM cannot fold it
         self.t, self.split, self.heads, self.row_base, self.in_split = t, split, heads, row_base, in_split
         self.blocks = (in_split + BLOCK_KEYS - 1) // BLOCK_KEYS
         self.scale_log2 = scale_log2
@@ -424,9 +549,9 @@ class _Program:
         block = jnp.clip(block, 0, jnp.maximum(walked - 1, 0))
         return self.ops.load_keys(self.indices_gmem, self.row_base + block * BLOCK_KEYS)
 
-    def gather(self, block, keys, rows_ref, index_ref):
+    def gather(self, block, keys, rows_ref, index_ref, columns=None):
         self.ops.gather(self.cache_gmem, self.indices_gmem, self.row_base + block * BLOCK_KEYS, keys, rows_ref,
-                        index_ref)
+                        index_ref, columns)
 
     def masked_scores(self, s, index_ref, block):
         """S of `block` in base 2, −inf where a key does not count: −1, or not listed (at or past `listed`)."""
@@ -613,3 +738,229 @@ def _owner_schedule(program, q_smem, rows_smem, index_smem, alpha_smem, stats_sm
         total = program.load_rows_vector(stats_smem.at[0])
         for acc, (start, width) in zip(accs, pieces):
             program.finish(acc, total, pl.ds(start, width))
+
+
+# The seesaw's half slots: the first 256 columns of a slot's rows (V's first half) and the rest (V's second half and
+# the rope columns), each gathered, published and freed on its own; and each warpgroup's half of V (and of O).
+HALF_SLOTS = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, WIDTH - LATENT // 2))
+HALVES = len(HALF_SLOTS)
+V_HALVES = (pl.ds(0, LATENT // 2), pl.ds(LATENT // 2, LATENT // 2))
+# The half slots (slot, half) by when their last reader frees them: slot 0's first half by warpgroup 0 after its own
+# P V and slot 1's second half by warpgroup 1 after its own (mid-pair), the others after each warpgroup's P V with the
+# other's P (at the pair's end). Each warpgroup's S of the next pair starts on the half freed mid-pair.
+FREED_MID_PAIR, FREED_AT_PAIR_END = ((0, 0), (1, 1)), ((0, 1), (1, 0))
+# Warpgroup 0, 1 and the producer: 504 x 128 = the launch's 64,512. ptxas spills 16 bytes (`tools/aot_h200.py --set
+# SCHEDULE=seesaw`); while the producer waited for its copies it spilled 20 there (5 values of its loop) and none in
+# the compute warpgroups, and at (232, 224, 48) 52 bytes there.
+SEESAW_REGISTERS = (232, 232, 40)
+# Warpgroup 0 issues the next pair's S behind its last P V of a pair, as FlashMLA does, rather than at the top of the
+# next pair (`_seesaw_schedule`).
+SEESAW_EARLY_S = True
+
+
+def _seesaw_scratch(plgpu, tiles):
+    return (plgpu.SMEM((1, HEADS, WIDTH), jnp.bfloat16, transforms=tiles),  # Q (indexed by `pair_zero`)
+            plgpu.SMEM((SLOTS, BLOCK_KEYS, WIDTH), jnp.bfloat16, transforms=tiles),  # rows: even and odd blocks
+            plgpu.SMEM((1, HEADS, BLOCK_KEYS), jnp.bfloat16, transforms=tiles),  # warpgroup 1's P (odd blocks)
+            # Each slot's indices, and a row for the half slots' mbarriers on the GPU (`_LandedByCopies`): every
+            # allocation takes whole KiB, and the indices leave half of theirs, where the shared memory is full.
+            plgpu.SMEM((SLOTS + 1, BLOCK_KEYS), jnp.int32),
+            plgpu.SMEM((3, HEADS), jnp.float32),  # the pair's row maximum, and each warpgroup's row sums
+            (plgpu.Barrier(num_barriers=SLOTS * HALVES),  # half_ready[slot * 2 + half] (interpreter only)
+             plgpu.Barrier(num_barriers=SLOTS * HALVES),  # half_free: its last reader's
+             plgpu.Barrier(num_barriers=SLOTS),  # max_ready[slot]: the slot owner's row maximum is in stats[0]
+             plgpu.Barrier(num_barriers=SLOTS),  # p_ready[slot]: the slot owner's P is stored
+             plgpu.Barrier(),  # q_ready (TMA)
+             plgpu.Barrier(num_arrivals=2)))  # sums_ready: both warpgroups' row sums are in stats[1:]
+
+
+def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_smem, barriers):
+    """FlashMLA's sparse prefill schedule (its "seesaw"): the two compute warpgroups own a block each of a pair,
+    warpgroup 0 the even one (slot 0) and 1 the odd one (slot 1), and each holds half of O (the first and last 256
+    value columns). Each computes its block's S, and both warpgroups' tensor work is the same: S of one block and
+    P V of both blocks over its half. The online softmax is one, in order: warpgroup 0's row maximum m0 (the even
+    block) goes to warpgroup 1, whose m1 = max(m0, its block's) comes back; warpgroup 0 then rescales its P to m1
+    before storing it. Warpgroup 0's P goes where slot 0's rope columns were, warpgroup 1's to a buffer of its own,
+    since warpgroup 0 reads it after slot 1's second half is free. Each half slot is published by its copies as they
+    land (`_LandedByCopies`) and freed by its last reader, so that the next pair's first halves are gathered while
+    this pair is computed."""
+    half_ready, half_free, max_ready, p_ready, q_ready, sums_ready = barriers
+    ops, plgpu = program.ops, program.plgpu
+    landed = ops.landed_halves(half_ready, index_smem.at[SLOTS])  # initialised here, by every warpgroup
+    # An odd last block is walked with a block of no keys (the lists are padded to pairs), and a split with no keys
+    # walks one pair of them (all masked: zeros out, as with none walked), so that warpgroup 0's last pair, which
+    # issues no next S, is always there. Written so, not as a maximum with 1: knowing the loops run at least once,
+    # LLVM moved values out of them and ptxas spilled 48 bytes in the compute warpgroups.
+    pairs = (program.blocks + 1) // 2 + (program.blocks == 0)
+    walked = 2 * pairs
+    wg = program.wg()
+
+    def half(slot, part):
+        """The half slot's index among the `landed` barriers, and its barrier of the readers' freeing."""
+        return slot * HALVES + part, half_free.at[slot * HALVES + part]
+
+    def pair_zero(pair):
+        """0, computed from the pair so that LLVM cannot see it: the shared-memory operands are indexed with it,
+        which keeps their wgmma descriptors (a 64-bit value per 16 columns of K: about 80 a warpgroup) in the loop.
+        With constant indices LLVM hoisted them all out of it and ptxas spilled 1.4 KB a thread
+        (`tools/aot_h200.py --set SCHEDULE=seesaw`); the owner schedule's slot alternates, and so its operands'
+        descriptors stay in its loop (but Q's)."""
+        return pair & program.opaque_zero
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(SEESAW_REGISTERS[2], action="decrease")
+
+        def gather(slot, part, block, keys):
+            # A slot's indices come with its second half, which S waits for last.
+            program.gather(block, keys, rows_smem.at[slot], index_smem.at[slot] if part else None,
+                           HALF_SLOTS[part])
+
+        # FlashMLA's order: the halves freed mid-pair, then those freed at its end, each gathered as soon as it is
+        # free. The producer never waits for its copies: each thread's copies arrive on the half's barrier once they
+        # have landed (`landed`), so that a gather waits for nothing but its half slot's freeing.
+        def pair_step(pair, keys):
+            following = (program.keys_of(2 * pair + 2, walked), program.keys_of(2 * pair + 3, walked))
+            for slot, part in FREED_MID_PAIR + FREED_AT_PAIR_END:
+                ready, free = half(slot, part)
+
+                @pl.when(pair > 0)
+                def _():
+                    plgpu.barrier_wait(free)
+
+                gather(slot, part, 2 * pair + slot, keys[slot])
+                landed.arrive(ready)
+            return following
+
+        lax.fori_loop(0, pairs, pair_step, (program.keys_of(0, walked), program.keys_of(1, walked)))
+
+        # The last pair's freeings, waited for so that every waiter observes every phase (see `_owner_schedule`).
+        for slot, part in FREED_MID_PAIR + FREED_AT_PAIR_END:
+            plgpu.barrier_wait(half(slot, part)[1])
+
+    def softmax_state():
+        return (ops.with_layout(jnp.zeros((HEADS, LATENT // 2), jnp.float32), plgpu.Layout.WGMMA),
+                program.rows_vector(jnp.full((HEADS,), -jnp.inf, jnp.float32)),
+                program.rows_vector(jnp.zeros((HEADS,), jnp.float32)))
+
+    def score_parts(slot, parts, pair):
+        """The products that sum to the slot's S of `pair`, over its halves in `parts`' order, each issued once it
+        has landed."""
+        zero = pair_zero(pair)
+
+        def product(part):
+            columns = HALF_SLOTS[part]
+            return (lambda: landed.wait(half(slot, part)[0], pair), q_smem.at[zero, :, columns],
+                    rows_smem.at[slot + zero, :, columns])
+
+        return [product(part) for part in parts]
+
+    def scores(slot, block, parts, pair):
+        """The slot's block's masked S."""
+        s = ops.matmul_transposed_sum(score_parts(slot, parts, pair))
+        return program.masked_scores(s, index_smem.at[slot], block)
+
+    def publish_max(m_new, slot):
+        """The row maximum so far, to the other warpgroup (stats[0])."""
+        stats_smem[0] = m_new
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(max_ready.at[slot])
+
+    def finish(acc, m, total, wg_index):
+        stats_smem[1 + wg_index] = total
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(sums_ready)
+        plgpu.barrier_wait(sums_ready)
+        total = program.load_rows_vector(stats_smem.at[1]) + program.load_rows_vector(stats_smem.at[2])
+        program.finish(acc, total, V_HALVES[wg_index])
+        if wg_index == 0:
+            program.store_lse(m, total)
+
+    @pl.when(wg == 0)
+    def _even_blocks():
+        plgpu.set_max_registers(SEESAW_REGISTERS[0], action="increase")
+        plgpu.copy_gmem_to_smem(program.q_gmem.at[program.t, program.heads], q_smem.at[0], q_ready)
+        plgpu.barrier_wait(q_ready)
+
+        def pair_step(pair, carry, *, s_carried: bool, issue_next: bool):
+            """A pair. `s_carried`: the carry's last item is this pair's S (unmasked); `issue_next`: the next pair's
+            comes back there (else None)."""
+            acc, m, total, s = carry
+            zero = pair_zero(pair)
+            if s_carried:
+                s = program.masked_scores(s, index_smem.at[0], 2 * pair)
+            else:
+                s = scores(0, 2 * pair, (0, 1), pair)
+            m0 = jnp.maximum(m, s.max(axis=1))
+            publish_max(m0, 0)
+            p, alpha, total = _online_softmax(s, m, m0, total)
+            acc = ops.accumulate(_rescale(acc, alpha), p.astype(jnp.bfloat16), rows_smem.at[zero, :, V_HALVES[0]])
+            plgpu.barrier_arrive(half(0, 0)[1])
+            # The pair's maximum, then this block's P at it, for warpgroup 1 (where slot 0's rope columns were).
+            plgpu.barrier_wait(max_ready.at[1])
+            m1 = program.load_rows_vector(stats_smem.at[0])
+            beta = jnp.exp2(m0 - _safe_max(m1))
+            rows_smem[0, :, P_COLUMNS] = _rescale(p, beta).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready.at[0])
+
+            def wait_for_odd_p():
+                landed.wait(half(1, 0)[0], pair)
+                plgpu.barrier_wait(p_ready.at[1])
+
+            odd_product = (wait_for_odd_p, p_odd_smem.at[zero], rows_smem.at[1 + zero, :, V_HALVES[0]],
+                           lambda: plgpu.barrier_arrive(half(1, 0)[1]))
+            if issue_next:
+                # The next pair's S goes to the tensor cores behind this P V: its first half has been gathered
+                # since mid-pair; its second comes with the half this P V frees (FREED_AT_PAIR_END).
+                acc, s = ops.accumulate_then_matmul_transposed(_rescale(acc, beta), odd_product,
+                                                               score_parts(0, (0, 1), pair + 1))
+            else:
+                acc, s = ops.accumulate_sum(_rescale(acc, beta), [odd_product]), None
+            return acc, m1, total * beta, s
+
+        if SEESAW_EARLY_S:
+            # The first pair's S before the loop, the last pair without a next one after it.
+            first_s = ops.matmul_transposed_sum(score_parts(0, (0, 1), 0))
+            carry = lax.fori_loop(0, pairs - 1,
+                                  lambda pair, carry: pair_step(pair, carry, s_carried=True, issue_next=True),
+                                  softmax_state() + (first_s,))
+            acc, m, total, _ = pair_step(pairs - 1, carry, s_carried=True, issue_next=False)
+        else:
+            acc, m, total = lax.fori_loop(
+                0, pairs, lambda pair, carry: pair_step(pair, carry + (None,), s_carried=False, issue_next=False)[:3],
+                softmax_state())
+        finish(acc, m, total, 0)
+
+    @pl.when(wg == 1)
+    def _odd_blocks():
+        plgpu.set_max_registers(SEESAW_REGISTERS[1], action="increase")
+        plgpu.barrier_wait(q_ready)
+        second = V_HALVES[1]
+
+        def pair_step(pair, carry):
+            acc, m, total = carry
+            zero = pair_zero(pair)
+            s = scores(1, 2 * pair + 1, (1, 0), pair)
+            plgpu.barrier_wait(max_ready.at[0])
+            m1 = jnp.maximum(program.load_rows_vector(stats_smem.at[0]), s.max(axis=1))
+            publish_max(m1, 1)
+            p, alpha, total = _online_softmax(s, m, m1, total)
+            p_odd_smem[0] = p.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready.at[1])
+
+            def wait_for_even_p():
+                landed.wait(half(0, 1)[0], pair)
+                plgpu.barrier_wait(p_ready.at[0])
+
+            # Both products back to back, P from shared memory for both: the tensor cores do not drain between them.
+            acc = ops.accumulate_sum(_rescale(acc, alpha), [
+                (lambda: None, p_odd_smem.at[zero], rows_smem.at[1 + zero, :, second],
+                 lambda: plgpu.barrier_arrive(half(1, 1)[1])),
+                (wait_for_even_p, rows_smem.at[zero, :, P_COLUMNS], rows_smem.at[zero, :, second],
+                 lambda: plgpu.barrier_arrive(half(0, 1)[1]))])
+            return acc, m1, total
+
+        acc, m, total = lax.fori_loop(0, pairs, pair_step, softmax_state())
+        finish(acc, m, total, 1)

@@ -201,13 +201,14 @@ for what in "$@"; do
             2>&1 | grep -A4 "| B |"; done ;;
     # DeepSeek 4-layer decode at B=32/128 on the Triton kernel, then on the Mosaic one by default and with each of
     # MLA_SETTINGS (constants of sparse_mla_mosaic set before the engine is built, ',' between; default warpgroup 0
-    # on 192 value columns), one process each: the engine's step before and after a kernel setting, in one call.
-    mla_settings_engine) for setting in triton default ${MLA_SETTINGS:-OWNER_COLUMNS=192,OWNER_REGISTERS=240,SECOND_REGISTERS=224}
+    # on 192 value columns, and the seesaw), one process each: the engine's step before and after, in one call.
+    mla_settings_engine) for setting in triton default \
+          ${MLA_SETTINGS:-OWNER_COLUMNS=192,OWNER_REGISTERS=240,SECOND_REGISTERS=224 SCHEDULE=seesaw}
         do echo "--- $setting"; kernel=mosaic; [ "$setting" = triton ] && kernel=triton
           JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 150 python3 -c "import runpy, sys
 import pallas_kernels.sparse_mla_mosaic as mla
 for name, value in (pair.split('=') for pair in sys.argv[1].split(',') if '=' in pair):
-    setattr(mla, name, int(value))
+    setattr(mla, name, int(value) if value.isdigit() else value)
 sys.argv = ['jaxmodels'] + sys.argv[2:]
 runpy.run_module('jaxmodels', run_name='__main__')" "$setting" bench --no-progress \
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
@@ -215,11 +216,13 @@ runpy.run_module('jaxmodels', run_name='__main__')" "$setting" bench --no-progre
     # The kernel's time split (whole, compute alone, gathers alone) and warpgroup 0's column share (bench/lab/mla_mosaic_split.py).
     mla_split) timeout "${SPLIT_TIMEOUT:-540}" python3 bench/lab/mla_mosaic_split.py --batches "${SPLIT_BATCHES:-32,128}" \
         ${SPLIT_ONLY:+--only "$SPLIT_ONLY"} 2>&1 | grep -v Warning | tail -24 ;;  # SPLIT_ONLY: names, ';' between
-    # The Mosaic sparse MLA's GPU tests, then the variants at B=32 and 128 (mla_split), then the engine's decode with
-    # warpgroup 0 on 256 and 192 value columns (mla_settings_engine): one call (issue 42's open target)
+    # The Mosaic sparse MLA's GPU tests (both schedules), then the variants at B=32 and 128 (mla_split): one call
+    # (issue 42's open target); mla_settings_engine in the next gives the engine's decode with the same settings.
     mla_variants) timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
           tests/pallas_kernels/test_sparse_mla_mosaic.py 2>&1 | tail -4
-        SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-300} bash "$0" mla_split mla_settings_engine ;;
+        SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-300} \
+          SPLIT_ONLY=${SPLIT_ONLY:-compute only;wg0 192 columns;seesaw;seesaw compute;seesaw, S at top} \
+          bash "$0" mla_split ;;
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;
     # Nsight Compute's counters of the sparse MLA decode at B = 128, a launch per tile variant
@@ -242,7 +245,7 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/lab/ncu_sparse_mla.py
           "$OUT/mla_ncu_sections.log" "$OUT/mla_ncu_metrics.log" | cut -c1-200 | head -150 ;;
     # The SASS of the same launches with per-instruction counters (ncu's source page): which tensor-core path the
     # dots took (HGMMA = wgmma, HMMA = mma.sync) and the shared / local memory instructions, counted per launch.
-    mla_ncu_mosaic) NCU_KERNEL=mosaic NCU_ARGS=--mosaic bash "$0" mla_ncu ;;  # launch 1: the default, 2: 192 columns
+    mla_ncu_mosaic) NCU_KERNEL=mosaic NCU_ARGS=--mosaic bash "$0" mla_ncu ;;  # launch 1: the owner schedule, 2: the seesaw
     mla_sass) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
         timeout 200 "$ncu" --kernel-name regex:sparse_mla --launch-count 3 --section SourceCounters --page source \

@@ -5,12 +5,14 @@ and its gathers alone (no wgmma: S is zeros and P V adds nothing; the softmax an
 takes about as long as one part, that part sets the pace; if it takes about their sum, the two do not overlap. Then the
 whole kernel with warpgroup 0's share of the value columns cut (it also computes S and the softmax, so its chain is the
 longer one; warpgroup 1 takes the rest): 256 (the kernel's), 192 and 128 columns, each with the registers that leave
-ptxas no spills (`tools/aot_h200.py`); last with FlashMLA's L2 hints on the gather's copies (`GATHER_L2_HINTS`). Each
-variant that computes the whole product gives its RMS difference from the kernel's output. B = 32 / 128 queries,
-top-2048, 128 heads, dsa_kernels' timing.
+ptxas no spills (`tools/aot_h200.py`). Last the seesaw schedule (`_seesaw_schedule`: each warpgroup computes S for every
+other block, and the copies arrive on their half slots' barriers themselves), whole and its compute alone, then with
+warpgroup 0's S issued at the top of each pair instead of behind its last P V (`SEESAW_EARLY_S`); and both schedules
+with FlashMLA's L2 hints on the gather's copies (`GATHER_L2_HINTS`). Each variant that computes the whole product gives
+its RMS difference from the kernel's output. B = 32 / 128 queries, top-2048, 128 heads, dsa_kernels' timing.
 
     PYTHONPATH=. python bench/lab/mla_mosaic_split.py        # bash bench/lab/h200_runs.sh mla_split
-    PYTHONPATH=. python bench/lab/mla_mosaic_split.py --batches 128 --only "compute only;wg0 192 columns"  # short
+    PYTHONPATH=. python bench/lab/mla_mosaic_split.py --batches 128 --only "seesaw;seesaw compute"   # a short call
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ COLUMN_SPLITS = [(192, 240, 224), (128, 216, 256)]
 class ComputeOnly(KERNEL_OPS):
     """No rows copied: `wait_for_gathers` finds nothing in flight, and each block is published at once."""
 
-    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref):
-        del cache_gmem, indices_gmem, start, keys, rows_ref, index_ref
+    def gather(self, cache_gmem, indices_gmem, start, keys, rows_ref, index_ref, columns=None):
+        del cache_gmem, indices_gmem, start, keys, rows_ref, index_ref, columns
 
 
 class GathersUnwaited(KERNEL_OPS):
@@ -82,7 +84,10 @@ def main():
             (f"wg0 {columns} columns", KERNEL_OPS,
              dict(OWNER_COLUMNS=columns, OWNER_REGISTERS=owner, SECOND_REGISTERS=second))
             for columns, owner, second in COLUMN_SPLITS] + [
-            ("L2 hints", KERNEL_OPS, dict(GATHER_L2_HINTS=True))]
+            ("seesaw", KERNEL_OPS, dict(SCHEDULE="seesaw")), ("seesaw compute", ComputeOnly, dict(SCHEDULE="seesaw")),
+            ("seesaw, S at top", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_EARLY_S=False)),
+            ("L2 hints", KERNEL_OPS, dict(GATHER_L2_HINTS=True)),
+            ("seesaw, L2 hints", KERNEL_OPS, dict(SCHEDULE="seesaw", GATHER_L2_HINTS=True))]
         if args.only:
             wanted = args.only.split(";")
             unknown = set(wanted) - {name for name, _, _ in variants}

@@ -31,15 +31,12 @@ def main():
     q = jax.random.normal(jax.random.key(1), (B, H, 576)).astype(jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(2), (B, k), 0, rows).astype(jnp.int32)
     compiled = []
-    # --mosaic: the Mosaic GPU kernel (sparse_mla_mosaic) alone, with warpgroup 0 on 256 value columns (the
-    # default) and on 192 (with the registers that leave ptxas no spills).
-    variants = [dict(impl="mosaic"), dict(impl="mosaic", OWNER_COLUMNS=192, OWNER_REGISTERS=240,
-                                          SECOND_REGISTERS=224)] if "--mosaic" in sys.argv else VARIANTS
-    defaults = {name: getattr(mla, name) for name in ("OWNER_COLUMNS", "OWNER_REGISTERS", "SECOND_REGISTERS")}
+    # --mosaic: the Mosaic GPU kernel (sparse_mla_mosaic) alone, on each of its schedules.
+    variants = [dict(impl="mosaic", schedule=schedule) for schedule in ("owner", "seesaw")] if "--mosaic" in sys.argv \
+        else VARIANTS
     for opts in variants:
         opts = dict(opts)
-        for name, value in defaults.items():  # read when the kernel is traced
-            setattr(mla, name, opts.pop(name, value))
+        mla.SCHEDULE = opts.pop("schedule", "owner")  # read when the kernel is traced
         kernel = sparse_mla_attention if opts.get("impl") == "mosaic" else sparse_mla_attention_pallas
         f = jax.jit(lambda q, c, i, opts=opts, kernel=kernel: kernel(q, c, i, scale=0.04, **opts))
         compiled.append(f.lower(q, cache, idx).compile())

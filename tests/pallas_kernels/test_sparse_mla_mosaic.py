@@ -12,10 +12,22 @@ import pytest
 
 from pallas_kernels import sparse_mla_attention
 from pallas_kernels.sparse_mla_mosaic import BLOCK_KEYS, decode_splits, mosaic_problem, sparse_mla_decode_mosaic
-from tests.mosaic_interpreter import run_race_checked
+from tests.cpu_devices import run_on_devices
+from tests.mosaic_interpreter import run_race_checked, stopped_if_hung
 from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
 from tests.numerics import rms_relative_error
 from tests.pallas_kernels.test_sparse_mla_attention import _problem, dense_masked_attention
+
+# The seesaw schedule's switches by name: by default, and with warpgroup 0's S issued at the top of each pair.
+SEESAW_SETTINGS = {"defaults": dict(EARLY_S=True), "s_at_top": dict(EARLY_S=False)}
+
+
+def set_seesaw(monkeypatch, settings: str):
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", "seesaw")
+    for switch, value in SEESAW_SETTINGS[settings].items():
+        monkeypatch.setattr(sparse_mla_mosaic, f"SEESAW_{switch}", value)
+
 
 # The interpreter's runs are the CPU's check; on the GPU the compiled kernel's tests take their place.
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the compiled kernel is tested on the GPU")
@@ -39,11 +51,16 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
 
 
 @needs_mosaic_lowering
+@pytest.mark.parametrize("seesaw, hints", [("defaults", False), ("defaults", True), ("s_at_top", False),
+                                           (None, True)])
 @pytest.mark.parametrize("T, listed", [(128, False), (1, True)])
-def test_gather_hints_lower_for_the_h200(T, listed, monkeypatch):
-    """The gather's L2 hints (`GATHER_L2_HINTS`), one program a query's head block and a list split over
-    programs."""
-    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "GATHER_L2_HINTS", True)
+def test_schedules_and_gather_hints_lower_for_the_h200(seesaw, hints, T, listed, monkeypatch):
+    """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off)
+    with each setting of its switches (`SEESAW_SETTINGS`), and the gather's L2 hints (None: the owner schedule), one
+    program a query's head block and a list split over programs."""
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "GATHER_L2_HINTS", hints)
+    if seesaw:
+        set_seesaw(monkeypatch, seesaw)
     test_kernel_lowers_for_the_h200(T, 128, listed, None)
 
 
@@ -130,6 +147,20 @@ def test_compiled_kernel_walks_only_the_listed_blocks():
                         T=130, topk=200, counts=[200, 1, 0, 65])
 
 
+@needs_mosaic
+@pytest.mark.gpu
+@pytest.mark.parametrize("seesaw", ["defaults", "s_at_top"])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_compiled_seesaw_schedule_equals_dense_masked_attention(splits, seesaw, monkeypatch):
+    """The seesaw schedule compiled (its half slots' copies arriving on their barriers), as by default and with
+    warpgroup 0's S at the top of each pair: the cases of the two tests above (a new schedule's barriers could
+    deadlock on the GPU: the worker stops after 240 s rather than hold the suite)."""
+    set_seesaw(monkeypatch, seesaw)
+    with stopped_if_hung(240):
+        test_compiled_kernel_equals_dense_masked_attention(splits)
+        test_compiled_kernel_walks_only_the_listed_blocks()
+
+
 def interpreted(q, cache, idx, listed=None, *, num_splits):
     """The kernel in Mosaic GPU's interpreter with its race detector on (`run_race_checked`), through
     `sparse_mla_attention` as the model calls it."""
@@ -158,6 +189,20 @@ def test_interpreted_kernel_with_a_smaller_share_for_the_softmax_owner(monkeypat
     assert sparse_mla_mosaic.second_pieces() == [(192, 256), (448, 64)]
     check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=2), T=4, H=128, topk=320,
                                   num_pages=8)
+
+
+@needs_mosaic_lowering
+@on_cpu
+@pytest.mark.parametrize("lists, seesaw", [("dense", "defaults"), ("listed", "defaults"), ("listed", "s_at_top")])
+def test_interpreted_seesaw_schedule_equals_dense_masked_attention(lists, seesaw):
+    """The seesaw schedule (`_seesaw_schedule`: warpgroups owning alternate blocks, the pair's row maximum passed
+    between them, half slots published and freed on their own) as the GPU runs it: top-320 split in two (two pairs,
+    and one block walked with an empty one), and the listed counts of the owner schedule's test below (a split with
+    no keys walks a pair of none). As by default (warpgroup 0's next S issued behind its last P V) and with that S at
+    the top of each pair (`SEESAW_SETTINGS`). In a subprocess of 4 simulated devices: see
+    tests/pallas_kernels/seesaw_interpreted_check.py."""
+    assert "equals dense masked attention" in run_on_devices("tests.pallas_kernels.seesaw_interpreted_check", lists,
+                                                             seesaw, devices=4)
 
 
 @needs_mosaic_lowering

@@ -12,25 +12,10 @@ import sys
 
 import pytest
 
+from tests.cpu_devices import ROOT, cpu_devices_flags, run_on_devices
 from tests.sharding.sharded_serving_check import MESHES
 
 pytestmark = pytest.mark.slow  # each starts processes that compile engines for several meshes
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def cpu_devices_flags(devices: int) -> str:
-    """XLA_FLAGS for a subprocess with `devices` simulated CPU devices, keeping this process's flags (conftest's)."""
-    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
-
-
-def run_on_devices(module: str, directory, devices: int = 8) -> str:
-    env = dict(os.environ, XLA_FLAGS=cpu_devices_flags(devices), JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, "-m", module, str(directory)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
-
 
 def test_sharded_forward_equals_unsharded(tmp_path):
     assert "sharded forward matches" in run_on_devices("tests.sharding.sharded_forward_check", tmp_path)
