@@ -9,15 +9,12 @@ runs of 5 there, and passed in 4 of 4 with 4 simulated devices (2026-12-05).
 
 import sys
 
-import pallas_kernels.sparse_mla_mosaic as sparse_mla_mosaic
-from tests.pallas_kernels.test_sparse_mla_mosaic import (SEESAW_SETTINGS, check_against_dense_attention,
-                                                         check_listed_counts, interpreted)
+from tests.pallas_kernels.test_sparse_mla_mosaic import (check_against_dense_attention, check_listed_counts,
+                                                         interpreted, set_seesaw)
 
 
 def main(lists: str, settings: str):
-    sparse_mla_mosaic.SCHEDULE = "seesaw"
-    for switch, value in SEESAW_SETTINGS[settings].items():
-        setattr(sparse_mla_mosaic, f"SEESAW_{switch}", value)
+    set_seesaw(settings)
     if lists == "dense":
         check_against_dense_attention(lambda q, c, i: interpreted(q, c, i, num_splits=2), T=4, H=128, topk=320,
                                       num_pages=8)

@@ -22,11 +22,13 @@ from tests.pallas_kernels.test_sparse_mla_attention import _problem, dense_maske
 SEESAW_SETTINGS = {"defaults": dict(EARLY_S=True), "s_at_top": dict(EARLY_S=False)}
 
 
-def set_seesaw(monkeypatch, settings: str):
+def set_seesaw(settings: str, setter=setattr):
+    """The kernel on the seesaw schedule with `settings` (`SEESAW_SETTINGS`), each constant set by `setter`
+    (`monkeypatch.setattr` in a test; `setattr` in a process of its own)."""
     sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
-    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", "seesaw")
+    setter(sparse_mla_mosaic, "SCHEDULE", "seesaw")
     for switch, value in SEESAW_SETTINGS[settings].items():
-        monkeypatch.setattr(sparse_mla_mosaic, f"SEESAW_{switch}", value)
+        setter(sparse_mla_mosaic, f"SEESAW_{switch}", value)
 
 
 # The interpreter's runs are the CPU's check; on the GPU the compiled kernel's tests take their place.
@@ -60,7 +62,7 @@ def test_schedules_and_gather_hints_lower_for_the_h200(seesaw, hints, T, listed,
     program a query's head block and a list split over programs."""
     monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "GATHER_L2_HINTS", hints)
     if seesaw:
-        set_seesaw(monkeypatch, seesaw)
+        set_seesaw(seesaw, monkeypatch.setattr)
     test_kernel_lowers_for_the_h200(T, 128, listed, None)
 
 
@@ -155,7 +157,7 @@ def test_compiled_seesaw_schedule_equals_dense_masked_attention(splits, seesaw, 
     """The seesaw schedule compiled (its half slots' copies arriving on their barriers), as by default and with
     warpgroup 0's S at the top of each pair: the cases of the two tests above (a new schedule's barriers could
     deadlock on the GPU: the worker stops after 240 s rather than hold the suite)."""
-    set_seesaw(monkeypatch, seesaw)
+    set_seesaw(seesaw, monkeypatch.setattr)
     with stopped_if_hung(240):
         test_compiled_kernel_equals_dense_masked_attention(splits)
         test_compiled_kernel_walks_only_the_listed_blocks()
