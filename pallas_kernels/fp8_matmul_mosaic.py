@@ -55,6 +55,14 @@ CLUSTER = "cluster"  # the cluster axis: a CTA's rank in its cluster
 # Cluster sizes the dense kernel takes: w's [128, 128] tile is multicast in `cluster` slices of its 8-row tiles, and
 # pairs (DeepGEMM's choice) are the only size lowered and interpreted so far.
 CLUSTER_SIZES = (1, 2)
+# A proxy fence (`plgpu.commit_smem`) at the end of each consumer's K step, after its plain loads of the scales and
+# before the pipeline hands the slot back to the producer's TMA (another proxy). PTX asks for one between accesses of
+# two proxies to the same shared memory, and jax 0.11's interpreter enforces it: without it, its race detector
+# reports each slot's refill as racing with the last step's reads (6 of the interpreter tests under jax 0.11.2;
+# jax's own warp-specialized pipeline with plain loads in its steps is reported the same way,
+# `bench/lab/pipeline_race_probe.py`). jax 0.10's detector has no proxies. Off until timed on the GPU (a fence and
+# a warpgroup barrier per K step); with it on, jax 0.11.2's detector reports no race.
+FENCE_STEP_READS = False
 
 
 def row_multiple(tile_m: int = 64, cluster: int = 1) -> int:
@@ -236,6 +244,8 @@ def _scaled_gemm(x8, x_scale, w8, w_scale, item_expert, item_tile, *, out_dtype,
                     # the promotion is one multiply-add per element.
                     row_scale = ops.load(xs_smem.at[0, rows], plgpu.Layout.WGMMA.reduce(1))
                     scales = row_scale * ws_smem[0, 0]
+                    if FENCE_STEP_READS:
+                        plgpu.commit_smem()
                     return total + part * lax.broadcast_in_dim(scales, part.shape, [0])
 
                 def context(run):

@@ -786,7 +786,9 @@ def _seesaw_schedule(program, q_smem, rows_smem, p_odd_smem, index_smem, stats_s
     this pair is computed."""
     half_ready, half_free, max_ready, p_ready, q_ready, sums_ready = barriers
     ops, plgpu = program.ops, program.plgpu
-    landed = ops.landed_halves(half_ready, index_smem.at[SLOTS])  # initialised here, by every warpgroup
+    # Initialised here, by every warpgroup. The row is sliced, not indexed: an index is a scalar the kernel's
+    # wgmma blocks (`pl.run_state`) would capture, which jax 0.11's lowering cannot hand back from them.
+    landed = ops.landed_halves(half_ready, index_smem.at[pl.ds(SLOTS, 1)])
     # An odd last block is walked with a block of no keys (the lists are padded to pairs), and a split with no keys
     # walks one pair of them (all masked: zeros out, as with none walked), so that warpgroup 0's last pair, which
     # issues no next S, is always there. Written so, not as a maximum with 1: knowing the loops run at least once,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|suite_c|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_variants|mla_mosaic_engine|mla_settings_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|suite_c|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_variants|mla_mosaic_engine|mla_settings_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_fence|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -128,6 +128,19 @@ for what in "$@"; do
     fp8) timeout "${FP8_TIMEOUT:-330}" python3 bench/fp8_kernels.py --check --only "${FP8_ONLY:-check,dense,grouped}" \
         --log "$OUT/fp8_$(echo "${FP8_ONLY:-main}" | tr , _).log" ${FP8_ARGS:-} 2>&1 | grep -v Warning | tail -40 ;;
     fp8_sweep) FP8_ONLY=sweep FP8_ARGS=--sweep bash "$0" fp8 ;;
+    # The Mosaic FP8 GEMM without, then with, a proxy fence after each consumer step's reads (FENCE_STEP_READS, which
+    # jax 0.11's interpreter asks for): its compiled tests, then the dense and grouped timings, one process each.
+    fp8_fence) for fence in False True; do echo "--- FENCE_STEP_READS=$fence"
+          for what in "-m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_fp8_matmul_mosaic.py" \
+              "bench/fp8_kernels.py --only dense,grouped --log $OUT/fp8_fence_$fence.log"; do
+            timeout 240 python3 -c "import runpy, sys
+import pallas_kernels.fp8_matmul_mosaic as kernel
+kernel.FENCE_STEP_READS = sys.argv[1] == 'True'
+sys.argv = sys.argv[2:]
+if sys.argv[0] == '-m':
+    del sys.argv[0]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
+else:  # as \`python3 script\` runs it: the script's folder first on the path
+    sys.path.insert(0, sys.argv[0].rpartition('/')[0]); runpy.run_path(sys.argv[0], run_name='__main__')" $fence $what 2>&1 | grep -v Warning | tail -16; done; done ;;
     fp8_cublaslt) FP8_ONLY=check,cublaslt bash "$0" fp8 ;;  # the checks (cuBLASLt's among them), then 16..4096 rows on cuBLASLt and the kernels
     # decode's FP8 GEMMs, timed in one graph (check + decode took 210 s on 2026-12-01, the experts' rows 170 s+):
     # the dense linears at 1 / 32 rows (K split 1..16 ways), the experts at 1 / 8 / 32 tokens (Triton and Mosaic)
