@@ -35,7 +35,7 @@ if not glob.glob("/dev/nvidia[0-9]*"):  # CPU only: tests compile faster; a GPU 
     # And XLA's older loop emitters for CPU fusions instead of its MLIR fusion emitters, which build an MLIR context
     # and pipeline per fusion: a tiny engine's programs compile in ~25% less time, an eager op in ~35% less. The XLA of
     # jaxlib 0.11 no longer has the flag, and stops at start on a flag it does not know.
-    older_emitters = int(version("jaxlib").split(".")[1]) < 11
+    older_emitters = tuple(int(part) for part in version("jaxlib").split(".")[:2]) < (0, 11)
     for flag, value in (("--xla_backend_optimization_level", "0"),) + (
             (("--xla_cpu_use_fusion_emitters", "false"),) if older_emitters else ()):
         if flag not in os.environ.get("XLA_FLAGS", ""):
