@@ -158,7 +158,7 @@ KERNEL_MODULES = dict(sparse_mla_mosaic="pallas_kernels.sparse_mla_mosaic",
                       fp8_mosaic="pallas_kernels.fp8_matmul_mosaic")
 
 
-def _set_constants(module_name: str, assignments: list[str]):
+def set_constants(module_name: str, assignments: list[str]):
     """`--set NAME=VALUE`: the kernel's module constants to compile with (a variant's schedule or registers)."""
     import ast
     import importlib
@@ -194,7 +194,7 @@ def main(argv=None):
                       MOSAIC_GPU_DUMP_TO=str(dump / "mosaic"))
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump / 'xla'}".strip()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    _set_constants(KERNEL_MODULES[args.kernel], args.set)
+    set_constants(KERNEL_MODULES[args.kernel], args.set)
     fn, shapes = _recipes(args)[args.kernel]()
     compile_for_h200(fn, *shapes)
     reports = ptxas_reports(dump, args.sass)

@@ -133,14 +133,8 @@ for what in "$@"; do
     fp8_fence) for fence in False True; do echo "--- FENCE_STEP_READS=$fence"
           for what in "-m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_fp8_matmul_mosaic.py" \
               "bench/fp8_kernels.py --only dense,grouped --log $OUT/fp8_fence_$fence.log"; do
-            timeout 240 python3 -c "import runpy, sys
-import pallas_kernels.fp8_matmul_mosaic as kernel
-kernel.FENCE_STEP_READS = sys.argv[1] == 'True'
-sys.argv = sys.argv[2:]
-if sys.argv[0] == '-m':
-    del sys.argv[0]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
-else:  # as \`python3 script\` runs it: the script's folder first on the path
-    sys.path.insert(0, sys.argv[0].rpartition('/')[0]); runpy.run_path(sys.argv[0], run_name='__main__')" $fence $what 2>&1 | grep -v Warning | tail -16; done; done ;;
+            timeout 240 python3 bench/lab/with_constants.py pallas_kernels.fp8_matmul_mosaic \
+              FENCE_STEP_READS=$fence -- $what 2>&1 | grep -v Warning | tail -16; done; done ;;
     fp8_cublaslt) FP8_ONLY=check,cublaslt bash "$0" fp8 ;;  # the checks (cuBLASLt's among them), then 16..4096 rows on cuBLASLt and the kernels
     # decode's FP8 GEMMs, timed in one graph (check + decode took 210 s on 2026-12-01, the experts' rows 170 s+):
     # the dense linears at 1 / 32 rows (K split 1..16 ways), the experts at 1 / 8 / 32 tokens (Triton and Mosaic)
@@ -218,12 +212,9 @@ else:  # as \`python3 script\` runs it: the script's folder first on the path
     mla_settings_engine) for setting in triton default \
           ${MLA_SETTINGS:-OWNER_COLUMNS=192,OWNER_REGISTERS=240,SECOND_REGISTERS=224 SCHEDULE=seesaw}
         do echo "--- $setting"; kernel=mosaic; [ "$setting" = triton ] && kernel=triton
-          JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 150 python3 -c "import runpy, sys
-import pallas_kernels.sparse_mla_mosaic as mla
-for name, value in (pair.split('=') for pair in sys.argv[1].split(',') if '=' in pair):
-    setattr(mla, name, int(value) if value.isdigit() else value)
-sys.argv = ['jaxmodels'] + sys.argv[2:]
-runpy.run_module('jaxmodels', run_name='__main__')" "$setting" bench --no-progress \
+          constants=$setting; [[ $setting == *=* ]] || constants=""  # triton and default: none set
+          JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 150 python3 bench/lab/with_constants.py \
+            pallas_kernels.sparse_mla_mosaic $constants -- -m jaxmodels bench --no-progress \
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
             2>&1 | grep -A4 "| B |"; done ;;
     # The kernel's time split (whole, compute alone, gathers alone) and warpgroup 0's column share (bench/lab/mla_mosaic_split.py).
