@@ -60,9 +60,12 @@ owner's 0.145 / 0.146 at the first two), and with its copies never waited for (a
 their latency) 0.163 / 0.155 at b0762fa / 51e2295. The producer's waits were serial: each half slot's publication waited
 for its copies to land before the next gather could wait for its slot, three or four latencies a pair; publishing the
 halves freed at a pair's end one by one too gave 0.189 (0.201 in the other order). The arriving copies take those waits
-out of the producer; not yet timed. As built at 4adfa68 it lowered on jax 0.10.2 and not on the GPU's 0.11.2 (the
-mbarriers' row indexed with a scalar that the wgmma blocks captured); found with `.venv-aot-0.11.2`
-(docs/development.md) before any device call ran it.
+out of the producer. With them (7dba43c, H100, `mla_variants` then `mla_split`, two runs) the seesaw passes its
+compiled tests and draws level at B = 128: 0.162 / 0.166 ms against the owner schedule's 0.171 / 0.167 (its compute
+alone 0.128), and trails at B = 32 (0.057 / 0.057 against 0.055 / 0.055); warpgroup 0 on 192 columns gave 0.168 / 0.169
+at B = 128. Neither is a clear win, and the default stays until an H200 says otherwise. As built at 4adfa68 the seesaw
+lowered on jax 0.10.2 and not on the GPU's 0.11.2 (the mbarriers' row indexed with a scalar that the wgmma blocks
+captured); found with `.venv-aot-0.11.2` (docs/development.md) before any device call ran it.
 
 Variants of the owner schedule measured and removed (one run each, H100, B = 128, `bash bench/lab/h200_runs.sh
 mla_seesaw` at 03bb1d8 against 0.171 ms for it; the code is in 03bb1d8): the slot in 2 or 4 parts, each gathered,
