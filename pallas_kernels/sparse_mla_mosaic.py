@@ -110,7 +110,12 @@ BLOCK_KEYS = 64  # keys a block: S's N, and P V's K
 SLOTS = 2  # row slots in flight
 LATENT = 512  # value columns (Dl)
 WIDTH = 576  # a latent row: Dl + Dr
-SCHEDULE = "owner"  # how the compute warpgroups split the work: `_owner_schedule` or `_seesaw_schedule`
+# How the compute warpgroups split the work: "owner" (`_owner_schedule`), "seesaw" (`_seesaw_schedule`), or "auto":
+# the seesaw for programs that walk SEESAW_MIN_BLOCKS blocks or more, where it led in every H100 run at B = 128 (32
+# blocks a program), and the owner schedule for shorter ones, where the seesaw's fill and drain of its pairs cost more
+# than it wins (B = 32: two splits of 16 blocks); `schedule_for`.
+SCHEDULE = "auto"
+SEESAW_MIN_BLOCKS = 32
 OWNER_COLUMNS = 256  # value columns warpgroup 0 (the softmax owner) accumulates, the first ones; warpgroup 1 the rest
 OWNER_REGISTERS, SECOND_REGISTERS, PRODUCER_REGISTERS = 256, 200, 40  # a thread's, set_max_registers
 WGMMA_MAX_N = 256
@@ -152,6 +157,15 @@ def decode_splits(num_queries: int, heads: int, topk: int) -> int:
         return pl.cdiv(programs * splits, num_sms()) * pl.cdiv(blocks, splits)
 
     return min(range(1, most + 1), key=lambda splits: (walked(splits), splits))
+
+
+def schedule_for(topk: int, splits: int) -> str:
+    """The schedule (`SCHEDULE`) of programs that walk a split of a top-`topk` list cut in `splits`."""
+    if SCHEDULE not in ("owner", "seesaw", "auto"):
+        raise ValueError(f"sparse_mla_mosaic.SCHEDULE = {SCHEDULE!r}: not owner, seesaw or auto")
+    if SCHEDULE != "auto":
+        return SCHEDULE
+    return "seesaw" if pl.cdiv(topk, splits * BLOCK_KEYS) >= SEESAW_MIN_BLOCKS else "owner"
 
 
 def second_pieces() -> list[tuple[int, int]]:
@@ -480,8 +494,8 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
     problem = mosaic_problem(H, D, LATENT, q.dtype, flat_cache.dtype)
     if problem:
         raise ValueError(f"sparse_mla_decode_mosaic: {problem}")
-    seesaw = SCHEDULE == "seesaw"
     splits = decode_splits(T, H, topk) if num_splits is None else num_splits
+    seesaw = schedule_for(topk, splits) == "seesaw"
     walked = BLOCK_KEYS * (SLOTS if seesaw else 1)  # the seesaw walks its blocks in pairs
     split_len = pl.cdiv(pl.cdiv(topk, splits), walked) * walked
     padded = splits * split_len

@@ -205,18 +205,19 @@ for what in "$@"; do
     mla_mosaic_engine) for kernel in triton mosaic; do echo "--- JAXMODELS_SPARSE_MLA_KERNEL=$kernel"
           JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 120 python3 -m jaxmodels bench --no-progress \
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
-            2>&1 | grep -A4 "| B |"; done ;;
+            ${MLA_ENGINE_ARGS:-} 2>&1 | grep -A4 "| B |"; done ;;  # MLA_ENGINE_ARGS=--layers 2 on an 80 GB card
     # DeepSeek 4-layer decode at B=32/128 on the Triton kernel, then on the Mosaic one by default and with each of
-    # MLA_SETTINGS (constants of sparse_mla_mosaic set before the engine is built, ',' between; default warpgroup 0
-    # on 192 value columns, and the seesaw), one process each: the engine's step before and after, in one call.
+    # MLA_SETTINGS (constants of sparse_mla_mosaic set before the engine is built, ',' between; default each schedule
+    # on its own, where the default picks one by a program's blocks), one process each: the engine's step before and
+    # after, in one call.
     mla_settings_engine) for setting in triton default \
-          ${MLA_SETTINGS:-OWNER_COLUMNS=192,OWNER_REGISTERS=240,SECOND_REGISTERS=224 SCHEDULE=seesaw}
+          ${MLA_SETTINGS:-SCHEDULE=owner SCHEDULE=seesaw}
         do echo "--- $setting"; kernel=mosaic; [ "$setting" = triton ] && kernel=triton
           constants=$setting; [[ $setting == *=* ]] || constants=""  # triton and default: none set
           JAXMODELS_SPARSE_MLA_KERNEL=$kernel timeout 150 python3 bench/lab/with_constants.py \
             pallas_kernels.sparse_mla_mosaic $constants -- -m jaxmodels bench --no-progress \
             --config bench/configs/deepseek_v32_4layer.json --phases decode --batches 32,128 --decode-steps 32 \
-            2>&1 | grep -A4 "| B |"; done ;;
+            ${MLA_ENGINE_ARGS:-} 2>&1 | grep -A4 "| B |"; done ;;  # MLA_ENGINE_ARGS=--layers 2 on an 80 GB card
     # The kernel's time split (whole, compute alone, gathers alone) and warpgroup 0's column share (bench/lab/mla_mosaic_split.py).
     mla_split) timeout "${SPLIT_TIMEOUT:-540}" python3 bench/lab/mla_mosaic_split.py --batches "${SPLIT_BATCHES:-32,128}" \
         ${SPLIT_ONLY:+--only "$SPLIT_ONLY"} 2>&1 | grep -v Warning | tail -24 ;;  # SPLIT_ONLY: names, ';' between

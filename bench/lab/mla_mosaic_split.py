@@ -1,4 +1,5 @@
-"""Where the Mosaic sparse MLA decode kernel's time goes, by taking parts out (issue 42): the whole kernel, its compute
+"""Where the Mosaic sparse MLA decode kernel's time goes, by taking parts out (issue 42): the whole kernel (its default
+schedule, `SCHEDULE = "auto"`), the owner schedule whole, and then the owner schedule's compute
 alone (the producer gathers nothing, so each block is published at once and the warpgroups compute on whatever the slots
 hold), its gathers unwaited for (each block published while its rows are in flight: their traffic without their latency)
 and its gathers alone (no wgmma: S is zeros and P V adds nothing; the softmax and P's stores stay). If the whole kernel
@@ -79,14 +80,16 @@ def main():
                      jax.random.randint(jax.random.key(B + 2 * i + 1), (B, k), 0, rows).astype(jnp.int32))
                     for i in range(sets_for(floor, bytes_))]
         n = jnp.full((B,), k, jnp.int32)
-        variants = [("whole kernel", KERNEL_OPS, {}), ("compute only", ComputeOnly, {}),
-                    ("gathers unwaited", GathersUnwaited, {}), ("gathers only", GathersOnly, {})] + [
+        owner = dict(SCHEDULE="owner")
+        variants = [("whole kernel", KERNEL_OPS, {}), ("owner", KERNEL_OPS, owner),
+                    ("compute only", ComputeOnly, owner),
+                    ("gathers unwaited", GathersUnwaited, owner), ("gathers only", GathersOnly, owner)] + [
             (f"wg0 {columns} columns", KERNEL_OPS,
-             dict(OWNER_COLUMNS=columns, OWNER_REGISTERS=owner, SECOND_REGISTERS=second))
-            for columns, owner, second in COLUMN_SPLITS] + [
+             dict(owner, OWNER_COLUMNS=columns, OWNER_REGISTERS=registers, SECOND_REGISTERS=second))
+            for columns, registers, second in COLUMN_SPLITS] + [
             ("seesaw", KERNEL_OPS, dict(SCHEDULE="seesaw")), ("seesaw compute", ComputeOnly, dict(SCHEDULE="seesaw")),
             ("seesaw, S at top", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_EARLY_S=False)),
-            ("L2 hints", KERNEL_OPS, dict(GATHER_L2_HINTS=True)),
+            ("L2 hints", KERNEL_OPS, dict(owner, GATHER_L2_HINTS=True)),
             ("seesaw, L2 hints", KERNEL_OPS, dict(SCHEDULE="seesaw", GATHER_L2_HINTS=True))]
         if args.only:
             wanted = args.only.split(";")

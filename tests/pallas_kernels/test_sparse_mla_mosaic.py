@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import sparse_mla_attention
-from pallas_kernels.sparse_mla_mosaic import BLOCK_KEYS, decode_splits, mosaic_problem, sparse_mla_decode_mosaic
+from pallas_kernels.sparse_mla_mosaic import (BLOCK_KEYS, decode_splits, mosaic_problem, schedule_for,
+                                              sparse_mla_decode_mosaic)
 from tests.cpu_devices import run_on_devices
 from tests.mosaic_interpreter import run_race_checked, stopped_if_hung
 from tests.mosaic_marks import needs_mosaic, needs_mosaic_lowering
@@ -29,6 +30,13 @@ def set_seesaw(settings: str, setter=setattr):
     setter(sparse_mla_mosaic, "SCHEDULE", "seesaw")
     for switch, value in SEESAW_SETTINGS[settings].items():
         setter(sparse_mla_mosaic, f"SEESAW_{switch}", value)
+
+
+@pytest.fixture(autouse=True)
+def owner_schedule_unless_set(monkeypatch):
+    """The tests here name their schedule: the owner schedule unless a test sets the seesaw (`set_seesaw`), so that
+    each schedule is tested on every shape, whichever `auto` would pick for it."""
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.sparse_mla_mosaic"), "SCHEDULE", "owner")
 
 
 # The interpreter's runs are the CPU's check; on the GPU the compiled kernel's tests take their place.
@@ -77,6 +85,23 @@ def test_lists_split_to_fill_whole_waves_of_programs(monkeypatch):
     assert decode_splits(1, heads=128, topk=2048) == 2048 // (4 * BLOCK_KEYS)
     assert decode_splits(1, heads=128, topk=7 * BLOCK_KEYS) == 1
     assert decode_splits(48, heads=128, topk=2048) == 4  # 96 programs a split: 2 -> 2 waves of 16, 4 -> 3 of 8
+
+
+def test_auto_takes_the_seesaw_for_programs_of_32_blocks_or_more(monkeypatch):
+    """B=128 at top-2048 walks 32 blocks a program (the seesaw), B=32 two splits of 16 (the owner schedule); a name
+    that is no schedule is refused."""
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", "auto")
+    assert schedule_for(2048, splits=1) == "seesaw"
+    assert schedule_for(2048, splits=2) == "owner"
+    assert schedule_for(2047, splits=1) == "seesaw"  # 31 blocks and a part: 32 walked
+    assert schedule_for(31 * BLOCK_KEYS, splits=1) == "owner"
+    for schedule in ("owner", "seesaw"):
+        monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", schedule)
+        assert schedule_for(2048, splits=1) == schedule_for(2048, splits=2) == schedule
+    monkeypatch.setattr(sparse_mla_mosaic, "SCHEDULE", "Seesaw")
+    with pytest.raises(ValueError, match="not owner, seesaw or auto"):
+        schedule_for(2048, splits=1)
 
 
 def test_shapes_the_kernel_does_not_take_are_named():
