@@ -1,8 +1,9 @@
 """Sparse MLA decode for Hopper through Pallas' Mosaic GPU backend: FlashMLA's split of the work over warpgroups,
 with the selected latent rows gathered into shared memory by `cp.async` (issue 42). `sparse_mla_attention`'s `auto`
-takes it on Hopper. On the H200 at top-2048 and 128 heads: 0.017 / 0.050 / 0.170 ms at B = 1 / 32 / 128, against the
-Triton kernel's 0.036 / 0.179 / 0.312; 47% of the byte floor at B = 128 (docs/BENCHMARKS.md). Prefill chunks (2,048
-queries) take as long on either kernel: 4.85 ms.
+takes it on Hopper. On the H200 at top-2048 and 128 heads: 0.017 / 0.050 / 0.156 ms at B = 1 / 32 / 128, against the
+Triton kernel's 0.036 / 0.179 / 0.308; 51% of the byte floor at B = 128 (docs/BENCHMARKS.md). Prefill chunks (2,048
+queries) took as long on either kernel, 4.85 ms, on the owner schedule; `auto` now runs them on the seesaw (below), not
+yet timed there.
 
 `sparse_mla_decode_mosaic(q[T, H, 576], flat_cache[N, 576], indices[T, k], *, scale, listed) -> [T, H, 512]`: the
 semantics of `sparse_mla_attention.sparse_mla_attention_reference` (bf16 q and cache, absorbed MLA, Dl = 512 value
@@ -41,16 +42,16 @@ would need a third row slot (with two, that block's rows could only be gathered 
 was free, just before they are needed), and shared memory holds two: the query block 72 KiB and two row slots of 72
 KiB (226 KiB with Pallas' own, of the H200's 227).
 
-`SCHEDULE = "seesaw"` builds the seesaw as FlashMLA's sparse prefill kernel runs it (about 640 TFLOP/s on the H800,
-where this kernel does 430 on the H200 at B = 128; `_seesaw_schedule`): the warpgroups own alternate blocks of a pair
-and half of O each, and each half of a slot is gathered, published and freed on its own, so that the next pair's first
-halves are gathered while this pair is computed. Warpgroup 1's P needs a buffer of its own (8 KiB), which fits once
-Pallas' 2 KiB of reduction scratch is off. As in FlashMLA, warpgroup 0 issues the next pair's S behind its last P V of a
-pair, so that the tensor cores do not drain between them (`SEESAW_EARLY_S`), and the producer never waits for its
-copies: each thread's copies arrive on their half slot's barrier themselves once they have landed
-(`cp.async.mbarrier.arrive.noinc`, `_LandedByCopies`), so that each gather goes out as soon as its half slot is free.
-Pallas cannot give its barriers such an arrival, so those barriers are mbarriers of the kernel's own, in inline code;
-the interpreter runs Pallas barriers in their place.
+`SCHEDULE = "seesaw"` (and `"auto"`, the default, for programs of 32 blocks or more) builds the seesaw as FlashMLA's
+sparse prefill kernel runs it (about 640 TFLOP/s on the H800, where this kernel does 470 on the H200 at B = 128;
+`_seesaw_schedule`): the warpgroups own alternate blocks of a pair and half of O each, and each half of a slot is
+gathered, published and freed on its own, so that the next pair's first halves are gathered while this pair is computed.
+Warpgroup 1's P needs a buffer of its own (8 KiB), which fits once Pallas' 2 KiB of reduction scratch is off. As in
+FlashMLA, warpgroup 0 issues the next pair's S behind its last P V of a pair, so that the tensor cores do not drain
+between them (`SEESAW_EARLY_S`), and the producer never waits for its copies: each thread's copies arrive on their half
+slot's barrier themselves once they have landed (`cp.async.mbarrier.arrive.noinc`, `_LandedByCopies`), so that each
+gather goes out as soon as its half slot is free. Pallas cannot give its barriers such an arrival, so those barriers are
+mbarriers of the kernel's own, in inline code; the interpreter runs Pallas barriers in their place.
 
 Measured with the producer waiting for its copies before publishing (`cp.async.wait_group`, as until 51e2295), the
 seesaw lost in every run (H100, B = 128, `bash bench/lab/h200_runs.sh mla_seesaw` at acb2037, 03bb1d8, b0762fa and
@@ -60,12 +61,16 @@ owner's 0.145 / 0.146 at the first two), and with its copies never waited for (a
 their latency) 0.163 / 0.155 at b0762fa / 51e2295. The producer's waits were serial: each half slot's publication waited
 for its copies to land before the next gather could wait for its slot, three or four latencies a pair; publishing the
 halves freed at a pair's end one by one too gave 0.189 (0.201 in the other order). The arriving copies take those waits
-out of the producer. With them (7dba43c, H100, `mla_variants` then `mla_split`, two runs) the seesaw passes its
-compiled tests and draws level at B = 128: 0.162 / 0.166 ms against the owner schedule's 0.171 / 0.167 (its compute
-alone 0.128), and trails at B = 32 (0.057 / 0.057 against 0.055 / 0.055); warpgroup 0 on 192 columns gave 0.168 / 0.169
-at B = 128. Neither is a clear win, and the default stays until an H200 says otherwise. As built at 4adfa68 the seesaw
-lowered on jax 0.10.2 and not on the GPU's 0.11.2 (the mbarriers' row indexed with a scalar that the wgmma blocks
-captured); found with `.venv-aot-0.11.2` (docs/development.md) before any device call ran it.
+out of the producer. With them (7dba43c, H100, `mla_variants` then `mla_split`, two runs) the seesaw passes its compiled
+tests and draws level at B = 128: 0.162 / 0.166 ms against the owner schedule's 0.171 / 0.167 (its compute alone 0.128),
+and trails at B = 32 (0.057 / 0.057 against 0.055 / 0.055); warpgroup 0 on 192 columns gave 0.168 / 0.169 at B = 128. On
+the H200 (eae4f4d, `mla_split` at B = 128 / 96 / 64 / 32, one run) the seesaw leads where a program walks 32 blocks:
+0.159 ms against 0.166 at B = 128 (one split, two waves of programs), 0.080 against 0.085 at B = 64 (one split, one
+wave); at 16 blocks a program it gains 2% at B = 96 (two splits, three waves: 0.145 against 0.148) and loses 1.4% at B =
+32 (two splits, one wave: 0.0504 against 0.0497). So `auto` takes it for programs of 32 blocks or more;
+`bench/dsa_kernels.py --check --only mla_decode --mla-batches 128` then gives 0.156 ms, 51% of the byte floor. As built
+at 4adfa68 the seesaw lowered on jax 0.10.2 and not on the GPU's 0.11.2 (the mbarriers' row indexed with a scalar that
+the wgmma blocks captured); found with `.venv-aot-0.11.2` (docs/development.md) before any device call ran it.
 
 Variants of the owner schedule measured and removed (one run each, H100, B = 128, `bash bench/lab/h200_runs.sh
 mla_seesaw` at 03bb1d8 against 0.171 ms for it; the code is in 03bb1d8): the slot in 2 or 4 parts, each gathered,
@@ -119,7 +124,11 @@ SEESAW_MIN_BLOCKS = 32
 OWNER_COLUMNS = 256  # value columns warpgroup 0 (the softmax owner) accumulates, the first ones; warpgroup 1 the rest
 OWNER_REGISTERS, SECOND_REGISTERS, PRODUCER_REGISTERS = 256, 200, 40  # a thread's, set_max_registers
 WGMMA_MAX_N = 256
-GATHER_L2_HINTS = False  # the gather's copies with L2 prefetch and evict-last hints (`_copy_with_l2_hints`)
+# The gather's copies with L2 prefetch and evict-last hints (`_copy_with_l2_hints`). The owner schedule runs with
+# them (H200, eae4f4d, `mla_split`: 0.160 ms at B = 128, where it took 0.166 without them in a process of its own);
+# the seesaw with them stopped on an illegal instruction in every run (H100 and H200, with the producer on 40 or 64
+# registers), cause not found, so `sparse_mla_decode_mosaic` refuses that pair.
+GATHER_L2_HINTS = False
 P_COLUMNS = pl.ds(LATENT, WIDTH - LATENT)  # a slot's rope columns, where P ([64 heads, 64 keys]) goes after S
 TILE_COLUMNS = 64  # bf16 columns of one 128-byte swizzle atom
 PIECE = 8  # bf16 values a cp.async moves (16 bytes)
@@ -496,6 +505,9 @@ def sparse_mla_decode_mosaic(q, flat_cache, indices, *, scale: float, listed=Non
         raise ValueError(f"sparse_mla_decode_mosaic: {problem}")
     splits = decode_splits(T, H, topk) if num_splits is None else num_splits
     seesaw = schedule_for(topk, splits) == "seesaw"
+    if seesaw and GATHER_L2_HINTS:
+        raise ValueError("sparse_mla_decode_mosaic: GATHER_L2_HINTS with the seesaw schedule stops the GPU on an "
+                         "illegal instruction; set SCHEDULE = 'owner' for the hints")
     walked = BLOCK_KEYS * (SLOTS if seesaw else 1)  # the seesaw walks its blocks in pairs
     split_len = pl.cdiv(pl.cdiv(topk, splits), walked) * walked
     padded = splits * split_len

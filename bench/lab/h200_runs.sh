@@ -226,7 +226,7 @@ for what in "$@"; do
     mla_variants) timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
           tests/pallas_kernels/test_sparse_mla_mosaic.py 2>&1 | tail -4
         SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-300} \
-          SPLIT_ONLY=${SPLIT_ONLY:-compute only;wg0 192 columns;seesaw;seesaw compute;seesaw, S at top} \
+          SPLIT_ONLY=${SPLIT_ONLY:-owner;compute only;wg0 192 columns;seesaw;seesaw compute;seesaw, S at top} \
           bash "$0" mla_split ;;
     mla_b128) timeout "${MLA_TIMEOUT:-280}" python3 bench/dsa_kernels.py --check --only mla_decode --mla-batches 128 \
         --log "$OUT/mla_b128.log" 2>&1 | grep -v Warning | tail -30 ;;

@@ -1,16 +1,17 @@
 """Where the Mosaic sparse MLA decode kernel's time goes, by taking parts out (issue 42): the whole kernel (its default
-schedule, `SCHEDULE = "auto"`), the owner schedule whole, and then the owner schedule's compute
-alone (the producer gathers nothing, so each block is published at once and the warpgroups compute on whatever the slots
-hold), its gathers unwaited for (each block published while its rows are in flight: their traffic without their latency)
-and its gathers alone (no wgmma: S is zeros and P V adds nothing; the softmax and P's stores stay). If the whole kernel
-takes about as long as one part, that part sets the pace; if it takes about their sum, the two do not overlap. Then the
-whole kernel with warpgroup 0's share of the value columns cut (it also computes S and the softmax, so its chain is the
-longer one; warpgroup 1 takes the rest): 256 (the kernel's), 192 and 128 columns, each with the registers that leave
-ptxas no spills (`tools/aot_h200.py`). Last the seesaw schedule (`_seesaw_schedule`: each warpgroup computes S for every
-other block, and the copies arrive on their half slots' barriers themselves), whole and its compute alone, then with
-warpgroup 0's S issued at the top of each pair instead of behind its last P V (`SEESAW_EARLY_S`); and both schedules
-with FlashMLA's L2 hints on the gather's copies (`GATHER_L2_HINTS`). Each variant that computes the whole product gives
-its RMS difference from the kernel's output. B = 32 / 128 queries, top-2048, 128 heads, dsa_kernels' timing.
+schedule, `SCHEDULE = "auto"`), the owner schedule whole, and then the owner schedule's compute alone (the producer
+gathers nothing, so each block is published at once and the warpgroups compute on whatever the slots hold), its gathers
+unwaited for (each block published while its rows are in flight: their traffic without their latency) and its gathers
+alone (no wgmma: S is zeros and P V adds nothing; the softmax and P's stores stay). If the whole kernel takes about as
+long as one part, that part sets the pace; if it takes about their sum, the two do not overlap. Then the whole kernel
+with warpgroup 0's share of the value columns cut (it also computes S and the softmax, so its chain is the longer one;
+warpgroup 1 takes the rest): 256 (the kernel's), 192 and 128 columns, each with the registers that leave ptxas no spills
+(`tools/aot_h200.py`). Last the seesaw schedule (`_seesaw_schedule`: each warpgroup computes S for every other block,
+and the copies arrive on their half slots' barriers themselves), whole and its compute alone, then with warpgroup 0's S
+issued at the top of each pair instead of behind its last P V (`SEESAW_EARLY_S`); and the owner schedule with FlashMLA's
+L2 hints on the gather's copies (`GATHER_L2_HINTS`; the kernel refuses them on the seesaw). Each variant that computes
+the whole product gives its RMS difference from the kernel's output. B = 32 / 128 queries by default, top-2048, 128
+heads, dsa_kernels' timing.
 
     PYTHONPATH=. python bench/lab/mla_mosaic_split.py        # bash bench/lab/h200_runs.sh mla_split
     PYTHONPATH=. python bench/lab/mla_mosaic_split.py --batches 128 --only "seesaw;seesaw compute"   # a short call
@@ -89,8 +90,7 @@ def main():
             for columns, registers, second in COLUMN_SPLITS] + [
             ("seesaw", KERNEL_OPS, dict(SCHEDULE="seesaw")), ("seesaw compute", ComputeOnly, dict(SCHEDULE="seesaw")),
             ("seesaw, S at top", KERNEL_OPS, dict(SCHEDULE="seesaw", SEESAW_EARLY_S=False)),
-            ("L2 hints", KERNEL_OPS, dict(owner, GATHER_L2_HINTS=True)),
-            ("seesaw, L2 hints", KERNEL_OPS, dict(SCHEDULE="seesaw", GATHER_L2_HINTS=True))]
+            ("L2 hints", KERNEL_OPS, dict(owner, GATHER_L2_HINTS=True))]
         if args.only:
             wanted = args.only.split(";")
             unknown = set(wanted) - {name for name, _, _ in variants}

@@ -61,8 +61,7 @@ def test_kernel_lowers_for_the_h200(T, H, listed, splits):
 
 
 @needs_mosaic_lowering
-@pytest.mark.parametrize("seesaw, hints", [("defaults", False), ("defaults", True), ("s_at_top", False),
-                                           (None, True)])
+@pytest.mark.parametrize("seesaw, hints", [("defaults", False), ("s_at_top", False), (None, True)])
 @pytest.mark.parametrize("T, listed", [(128, False), (1, True)])
 def test_schedules_and_gather_hints_lower_for_the_h200(seesaw, hints, T, listed, monkeypatch):
     """The seesaw schedule's lowering (shared memory within the H200's 227 KiB with Pallas' reduction scratch off)
@@ -72,6 +71,17 @@ def test_schedules_and_gather_hints_lower_for_the_h200(seesaw, hints, T, listed,
     if seesaw:
         set_seesaw(seesaw, monkeypatch.setattr)
     test_kernel_lowers_for_the_h200(T, 128, listed, None)
+
+
+def test_gather_hints_on_the_seesaw_are_refused(monkeypatch):
+    """The seesaw with the L2 hints stopped the GPU on an illegal instruction (H100 and H200): refused, not run."""
+    sparse_mla_mosaic = importlib.import_module("pallas_kernels.sparse_mla_mosaic")
+    monkeypatch.setattr(sparse_mla_mosaic, "GATHER_L2_HINTS", True)
+    set_seesaw("defaults", monkeypatch.setattr)
+    S = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="GATHER_L2_HINTS with the seesaw"):
+        jax.eval_shape(lambda q, c, i: sparse_mla_decode_mosaic(q, c, i, scale=0.04),
+                       S((128, 128, 576), jnp.bfloat16), S((1 << 18, 576), jnp.bfloat16), S((128, 2048), jnp.int32))
 
 
 def test_lists_split_to_fill_whole_waves_of_programs(monkeypatch):
