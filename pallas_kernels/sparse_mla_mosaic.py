@@ -116,9 +116,10 @@ SLOTS = 2  # row slots in flight
 LATENT = 512  # value columns (Dl)
 WIDTH = 576  # a latent row: Dl + Dr
 # How the compute warpgroups split the work: "owner" (`_owner_schedule`), "seesaw" (`_seesaw_schedule`), or "auto":
-# the seesaw for programs that walk SEESAW_MIN_BLOCKS blocks or more, where it led in every H100 run at B = 128 (32
-# blocks a program), and the owner schedule for shorter ones, where the seesaw's fill and drain of its pairs cost more
-# than it wins (B = 32: two splits of 16 blocks); `schedule_for`.
+# the seesaw for programs that walk SEESAW_MIN_BLOCKS blocks or more, where it led on the H200 at B = 128 and 64 (32
+# blocks a program; 0.159 against 0.166 ms, 0.080 against 0.085) and in every H100 run at B = 128, and the owner
+# schedule for shorter ones, where the seesaw's fill and drain of its pairs can cost more than it wins (B = 32, two
+# splits of 16 blocks: 0.0504 against 0.0497); `schedule_for`.
 SCHEDULE = "auto"
 SEESAW_MIN_BLOCKS = 32
 OWNER_COLUMNS = 256  # value columns warpgroup 0 (the softmax owner) accumulates, the first ones; warpgroup 1 the rest
