@@ -34,7 +34,7 @@ from pallas_kernels.indexer_topk import (index_logits_pallas, index_logits_refer
                                          quantize_index_k_fp8, topk_reference)
 from pallas_kernels._mosaic import mosaic_kernels_available
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention_pallas, sparse_mla_attention_reference
-from pallas_kernels.sparse_mla_mosaic import sparse_mla_decode_mosaic
+from pallas_kernels.sparse_mla_mosaic import decode_splits, schedule_for, sparse_mla_decode_mosaic
 from pallas_kernels.topk_select import GROUP, masked_keys_and_group_max, select_topk_pallas
 
 CTXS = [8192, 32768, 131072]
@@ -424,9 +424,19 @@ def bench_sparse_mla_prefill(quick):
     for opts in variants:
         f = jax.jit(lambda q, c, i: sparse_mla_attention_pallas(q, c, i, scale=0.04, **opts))
         row(f"sparse MLA prefill T={T} {opts}", timeit(f, q, cache, idx), None, floor, "floor = FLOPs at 810 TFLOP/s")
-    if MOSAIC_MLA:  # auto's kernel on Hopper, which the model's prefill chunks take too
-        f = jax.jit(lambda q, c, i: sparse_mla_decode_mosaic(q, c.reshape(-1, 576), i, scale=0.04))
-        row(f"sparse MLA prefill T={T} MOSAIC", timeit(f, q, cache, idx), None, floor, "floor = FLOPs at 810 TFLOP/s")
+    if not MOSAIC_MLA:
+        return
+    # auto's kernel on Hopper, which the model's prefill chunks take too. decode_splits cuts a 2,048-query chunk's
+    # lists in 8 (4 blocks a program; on 132 SMs an SM walks 996 blocks, against 1,024 unsplit), though each split
+    # loads the queries again and writes float32 partials for a combine: one and two splits beside it tell what that
+    # costs.
+    chosen = decode_splits(T, H, k)
+    for splits in dict.fromkeys([chosen, 1, 2]):
+        f = jax.jit(lambda q, c, i, n=splits: sparse_mla_decode_mosaic(q, c.reshape(-1, 576), i, scale=0.04,
+                                                                      num_splits=n))
+        auto = " (auto)" if splits == chosen else ""
+        row(f"sparse MLA prefill T={T} MOSAIC splits={splits}{auto} {schedule_for(k, splits)}",
+            timeit(f, q, cache, idx), None, floor, "floor = FLOPs at 810 TFLOP/s")
 
 
 def routed_sizes(key, tokens, E, topk):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|suite_c|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|mla_prefill_schedules|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_variants|mla_mosaic_engine|mla_settings_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_fence|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
+# One device call's work, picked by name: bash bench/lab/h200_runs.sh suite|suite_a|suite_b|suite_c|results|spec|spec_noisy|verify_tune|spec_profile|spec_hlo|scan_tune|conv_tune|scan_seg|scan_vs_mamba_ssm|update_tune|conv_update_tune|scan_span|dsa_new|nano9b_bf16|serve_load|nano30b|nano30b_serve|nano30b_bf16|dispatch|x2a|x2b|x2_serve|deepseek|decode_profile|xla_flags_probe|fusions_tests|fusions_bench|shared_gmm_tests|shared_gmm_bench|compile_cache|start_padding|start_probe|start_30b|multiturn|serve_prefix|start_9b|launch_thread|kernel_checks|quick_tests|mla_prefill|mla_prefill_splits|long_tests|long_nano9b|long_dsa|long_dense|long_dsa_profile|long_128k|mla_b128|mla_mosaic|mla_split|mla_variants|mla_mosaic_engine|mla_settings_engine|greedy_probe|mla_ncu|mla_ncu_mosaic|mla_sass|mla_small|idx_decode|fp8|fp8_sweep|fp8_fence|fp8_cublaslt|fp8_decode|fp8_engine_rows|nano30b_b1_profile|nano30b_prefill_profile|nano9b_prefill_profile|conv_xla_prefill|hlo_b1|gmm_decode|fp8_moe_decode|fp8_gsweep|fp8_engine|fp8_b1_profile|fp8_models|structured|structured_tests ...
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -359,11 +359,10 @@ sm__inst_executed.sum,gpu__time_duration.sum python3 bench/lab/ncu_sparse_mla.py
     # The GPU tests of the files named in QUICK_TESTS (pytest node ids), in 8 workers as the suite runs.
     quick_tests) OUT="$OUT/quick" GPU_CHECK_TESTS="$QUICK_TESTS" bash "$0" suite ;;
     mla_prefill) python3 bench/dsa_kernels.py --only mla_prefill --log "$OUT/mla_prefill.log" 2>&1 | tail -20 ;;
-    # A 2,048-query prefill chunk on the Mosaic kernel's owner schedule, then as `auto` runs it (the seesaw: 32 blocks a
-    # program), one process each, Triton's default tiles beside each.
-    mla_prefill_schedules) for setting in SCHEDULE=owner SCHEDULE=auto; do echo "--- $setting"
-          timeout 150 python3 bench/lab/with_constants.py pallas_kernels.sparse_mla_mosaic $setting -- \
-            bench/dsa_kernels.py --quick --only mla_prefill 2>&1 | grep "sparse MLA prefill"; done ;;
+    # A 2,048-query prefill chunk on the Mosaic kernel at auto's split count (8: the owner schedule, 4 blocks a
+    # program), at one split (auto's seesaw, 32 blocks) and at two (the owner schedule), Triton's default tiles beside.
+    mla_prefill_splits) python3 bench/dsa_kernels.py --quick --only mla_prefill > "$OUT/mla_prefill_splits.log" 2>&1 \
+          || tail -5 "$OUT/mla_prefill_splits.log"; grep "sparse MLA prefill" "$OUT/mla_prefill_splits.log" ;;
     # Distinct greedy tokens and experts touched per MoE layer of the benchmark's random model, full width: whether
     # decode rows read the experts that per-request tokens would. Two steps: each re-runs the whole forward, and at
     # full width four overran the timeout. PROBE_HEADS="uncentered centered" compares the LM head as drawn with the
