@@ -45,8 +45,8 @@ from .sparse_mla_mosaic import mosaic_problem, sparse_mla_decode_mosaic
 # Which compiled kernel `auto` runs on the GPU: "mosaic" (the Hopper kernel of `sparse_mla_mosaic`, where jax has
 # Mosaic GPU, the GPU is a Hopper and the shapes and dtypes fit it; the Triton kernel elsewhere) or "triton"
 # (`sparse_mla_attention_pallas` everywhere). On the H200 the Mosaic kernel decodes top-2048 at 128 heads in 0.017 /
-# 0.050 / 0.156 ms at B = 1 / 32 / 128 against Triton's 0.036 / 0.179 / 0.308, and took a 2,048-query prefill chunk
-# in 4.85 ms as Triton does, on its owner schedule (the seesaw's there is not timed yet; docs/BENCHMARKS.md).
+# 0.050 / 0.156 ms at B = 1 / 32 / 128 against Triton's 0.036 / 0.179 / 0.308, and a 2,048-query prefill chunk in
+# 4.85 ms as Triton does, on its owner schedule (8 splits of 4 blocks; docs/BENCHMARKS.md).
 KERNEL = os.environ.get("JAXMODELS_SPARSE_MLA_KERNEL", "mosaic")
 
 

@@ -2,8 +2,8 @@
 with the selected latent rows gathered into shared memory by `cp.async` (issue 42). `sparse_mla_attention`'s `auto`
 takes it on Hopper. On the H200 at top-2048 and 128 heads: 0.017 / 0.050 / 0.156 ms at B = 1 / 32 / 128, against the
 Triton kernel's 0.036 / 0.179 / 0.308; 51% of the byte floor at B = 128 (docs/BENCHMARKS.md). Prefill chunks (2,048
-queries) took as long on either kernel, 4.85 ms, on the owner schedule; `auto` now runs them on the seesaw (below), not
-yet timed there.
+queries) take as long on either kernel, 4.85 ms, on the owner schedule, which `auto` keeps for them: `decode_splits`
+cuts their lists in 8 splits of 4 blocks.
 
 `sparse_mla_decode_mosaic(q[T, H, 576], flat_cache[N, 576], indices[T, k], *, scale, listed) -> [T, H, 512]`: the
 semantics of `sparse_mla_attention.sparse_mla_attention_reference` (bf16 q and cache, absorbed MLA, Dl = 512 value
